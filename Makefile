@@ -1,0 +1,47 @@
+# Two commands do all the set-up: `make lab` opens the course, `make test` runs every test.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch; on a GPU machine use `make lab TORCH_SPEC=torch` (see README).
+TORCH_SPEC ?= torch==2.13.0
+# Parallel test processes (pytest-xdist); the suite is sized for 2 cores.
+JOBS ?= 2
+
+.PHONY: lab test exercises notebooks doctor bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+lab: $(BIN)/.installed
+	$(BIN)/jupyter lab --notebook-dir=. notebooks/00_setup.ipynb
+
+test: $(BIN)/.installed
+	$(BIN)/python -m course_utils.exercises --check
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile tests
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile -p no:randomly --nbval-lax \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks solutions
+
+exercises: $(BIN)/.installed
+	$(BIN)/python -m course_utils.exercises
+
+# Re-run every lesson and solution notebook in place, one after the other, so that the
+# measurements in the committed outputs were taken on a quiet machine.
+notebooks: $(BIN)/.installed
+	for nb in notebooks/*.ipynb solutions/*.ipynb; do \
+		$(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+			--ExecutePreprocessor.timeout=600 "$$nb" || exit 1; done
+	$(BIN)/python -m course_utils.exercises
+
+doctor: $(BIN)/.installed
+	$(BIN)/python -m course_utils.doctor
+
+bench: $(BIN)/.installed
+	$(BIN)/python benchmarks/launch_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
