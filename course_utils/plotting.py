@@ -1,0 +1,70 @@
+"""Plots shared by several chapters, and ``explore``: a widget-driven measurement.
+
+Chapter-specific plots live in their notebooks, where the learner can read and change them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["explore", "has_widget_frontend"]
+
+
+def has_widget_frontend() -> bool:
+    """True inside a Jupyter kernel with ipywidgets importable (a browser may be attached)."""
+    try:
+        import ipywidgets  # noqa: F401
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+def explore(run: Callable[..., Any], *, title: str = "", **controls: Any) -> Any:
+    """Let the learner change parameters with widgets and re-run a real measurement.
+
+    ``controls`` maps each keyword of ``run`` to its choices: a list (a dropdown) or an
+    ``ipywidgets`` widget; the first choice (or the widget's value) is the default.  ``run`` is
+    called once immediately with the defaults, so the cell shows a result headless too (nbval,
+    nbconvert); in JupyterLab a "Run" button re-runs it with the chosen values and shows the new
+    result under the controls.  Returns the result of the first run.
+    """
+    defaults = {}
+    for name, spec in controls.items():
+        if isinstance(spec, (list, tuple)):
+            if not spec:
+                raise ValueError(f"explore(): no choices for {name!r}")
+            defaults[name] = spec[0]
+        else:
+            defaults[name] = getattr(spec, "value")
+    if not has_widget_frontend():
+        return run(**defaults)
+
+    import ipywidgets as w
+    from IPython.display import display
+
+    inputs = {}
+    for name, spec in controls.items():
+        if isinstance(spec, (list, tuple)):
+            inputs[name] = w.Dropdown(options=list(spec), value=spec[0], description=name)
+        else:
+            inputs[name] = spec
+    button = w.Button(description="Run", button_style="primary", icon="play")
+    out = w.Output()
+    header = [w.HTML(f"<b>{title}</b>")] if title else []
+    display(w.VBox(header + [w.HBox(list(inputs.values()) + [button]), out]))
+
+    def _go(_: Any = None) -> Any:
+        button.disabled = True
+        try:
+            out.clear_output(wait=True)
+            with out:
+                return run(**{k: v.value for k, v in inputs.items()})
+        finally:
+            button.disabled = False
+
+    button.on_click(_go)
+    # The first run prints straight into the cell, so that a saved or headless notebook shows it;
+    # the runs started with the button appear in the output area under the controls.
+    return run(**defaults)
