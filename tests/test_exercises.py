@@ -1,0 +1,78 @@
+"""exercises/ is generated from solutions/, and every stub fails its checker naming the exercise."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from course_utils.exercises import exercise_notebook, generate, strip_solutions
+
+ROOT = Path(__file__).resolve().parent.parent
+EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+
+
+def test_committed_exercises_match_generator(tmp_path):
+    differ = generate(ROOT / "solutions", ROOT / "exercises", check=True)
+    assert differ == [], f"run `make exercises`: {differ}"
+
+
+def test_strip_solutions_keeps_indentation_and_names_exercise():
+    src = "def f(x):\n    ### BEGIN SOLUTION 03.a ring\n    return x\n    ### END SOLUTION\n"
+    out = strip_solutions(src, "fallback")
+    assert out == ('def f(x):\n    raise NotImplementedError("Exercise 03.a ring: '
+                   'replace this line with your code")\n')
+    assert "fallback" in strip_solutions("### BEGIN SOLUTION\nx = 1\n### END SOLUTION\n", "fallback")
+
+
+@pytest.mark.parametrize("bad", ["### BEGIN SOLUTION\nx = 1\n", "x = 1\n### END SOLUTION\n"])
+def test_unbalanced_markers_are_rejected(bad):
+    with pytest.raises(ValueError):
+        strip_solutions(bad, "nb")
+
+
+def test_exercise_notebooks_have_no_outputs_and_no_solutions():
+    for path in EXERCISES:
+        nb = json.loads(path.read_text())
+        for cell in nb["cells"]:
+            src = "".join(cell["source"])
+            assert "BEGIN SOLUTION" not in src, path
+            if cell["cell_type"] == "code":
+                assert cell["outputs"] == [] and cell["execution_count"] is None, path
+
+
+def test_generator_drops_outputs():
+    nb = {"cells": [{"cell_type": "code", "source": "1", "outputs": [{"x": 1}],
+                     "execution_count": 3, "metadata": {}}], "metadata": {}}
+    cell = exercise_notebook(nb, "n")["cells"][0]
+    assert cell["outputs"] == [] and cell["execution_count"] is None
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem)
+def test_every_stub_fails_its_checker_naming_the_exercise(path):
+    """Run the exercise notebook as a learner would before writing anything.
+
+    Every cell that calls a checker must fail with CheckFailed saying the exercise is not done,
+    and naming the exercise that its stub names.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=300, allow_errors=True, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    stub_names = set(re.findall(r'NotImplementedError\("Exercise ([^:]+):', path.read_text()))
+    check_cells = [c for c in nb.cells if c.cell_type == "code" and re.search(r"\bcheck_\w+\(", c.source)]
+    assert check_cells, f"{path.name} has no checker call"
+    assert stub_names, f"{path.name} has no exercise stub"
+    seen = set()
+    for cell in check_cells:
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        assert errors, f"{path.name}: a checker passed on the untouched stub:\n{cell.source}"
+        err = errors[0]
+        assert err.ename == "CheckFailed", f"{path.name}: {err.ename}: {err.evalue}"
+        assert "not done yet" in err.evalue, err.evalue
+        seen |= {n for n in stub_names if n in err.evalue}
+    assert seen == stub_names, f"{path.name}: stubs never reported by a checker: {stub_names - seen}"
