@@ -16,7 +16,7 @@ One module per job:
 
 from .checking import CheckFailed
 from .devices import backend_and_device, choose_backend
-from .launcher import WorkerError, WorkerTimeout, free_port, launch
+from .launcher import CommandFailed, WorkerError, WorkerTimeout, free_port, launch, run_commands
 from .monitor import report
 
 __all__ = [
@@ -24,6 +24,8 @@ __all__ = [
     "WorkerError",
     "WorkerTimeout",
     "free_port",
+    "run_commands",
+    "CommandFailed",
     "CheckFailed",
     "backend_and_device",
     "choose_backend",
