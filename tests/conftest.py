@@ -1,0 +1,33 @@
+"""Shared fixtures: every test must leave no worker process behind."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+
+def _descendants() -> set[int]:
+    me = psutil.Process()
+    out = set()
+    for p in me.children(recursive=True):
+        try:
+            # The fork server and its resource tracker live as long as the test process: not leaks.
+            if any(s in " ".join(p.cmdline()) for s in ("forkserver", "resource_tracker")):
+                continue
+        except psutil.Error:
+            continue
+        out.add(p.pid)
+    return out
+
+
+@pytest.fixture
+def no_leftover_processes():
+    """Fail the test if it leaves child processes running."""
+    before = _descendants()
+    yield
+    deadline = psutil.time.time() + 10
+    left = _descendants() - before
+    while left and psutil.time.time() < deadline:
+        psutil.time.sleep(0.2)
+        left = _descendants() - before
+    assert not left, f"processes left running: {[psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]}"

@@ -1,0 +1,341 @@
+"""Every promise of course_utils.launch, each provoked for real."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_utils import WorkerError, WorkerTimeout, launch, run_commands
+from course_utils.devices import choose_backend
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+            "MASTER_PORT"]
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def _port_is_bound(port: int) -> bool:
+    """Someone still listens on ``port`` (TIME_WAIT leftovers of closed connections do not count)."""
+    return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+               for c in psutil.net_connections("tcp"))
+
+
+# ---------------------------------------------------------------- what workers get
+
+
+def test_closures_and_local_classes_travel_to_workers():
+    class Scale:  # defined inside the test: plain pickle cannot ship it
+        def __init__(self, k):
+            self.k = k
+
+    offset = 100
+
+    def work(s, extra=0):
+        return int(os.environ["RANK"]) * s.k + offset + extra
+
+    assert launch(work, 3, args=(Scale(10),), kwargs={"extra": 1}) == [101, 111, 121]
+
+
+def test_torchrun_environment_and_default_init():
+    def work():
+        env = {k: os.environ[k] for k in ENV_KEYS}
+        dist.init_process_group("gloo")  # env:// with nothing else, as under torchrun
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        return env, t.item()
+
+    out = launch(work, 2, nnodes=2)
+    assert [o[1] for o in out] == [4.0] * 4
+    envs = [o[0] for o in out]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
+    assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "1", "1"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
+
+
+def test_same_function_runs_under_launch_and_torchrun(tmp_path):
+    sys.path.insert(0, str(HERE))
+    try:
+        import launch_targets
+        assert launch(launch_targets.rank_sum, 2) == [1.0, 1.0]
+    finally:
+        sys.path.remove(str(HERE))
+    res = run_commands({"torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     "--nproc_per_node=2", str(HERE / "launch_targets.py")]},
+                       timeout=90, echo=False)[0]
+    assert res.ok, res.output
+    assert res.output.count("total=1.0") == 2
+
+
+def test_workers_share_cores_instead_of_oversubscribing(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = launch(lambda: (torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]), 2)
+    want = max(1, (os.cpu_count() or 1) // 2)
+    assert threads == [(want, str(want))] * 2
+
+
+def test_extra_environment_and_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = launch(lambda: (os.getcwd(), os.environ["COURSE_TEST"]), 2, env={"COURSE_TEST": "yes"})
+    assert out == [(str(tmp_path), "yes")] * 2
+
+
+# ---------------------------------------------------------------- output
+
+
+def test_output_arrives_as_rank_prefixed_whole_lines(capsys):
+    def work():
+        import sys as _sys
+
+        rank = os.environ["RANK"]
+        for i in range(3):
+            print(f"line {i} from {rank}")
+        _sys.stdout.write("no newline at the end")
+        print(f"warning from {rank}", file=_sys.stderr)
+
+    launch(work, 2)
+    out, err = capsys.readouterr()
+    for r in (0, 1):
+        for i in range(3):
+            assert f"[rank{r}] line {i} from {r}\n" in out
+        assert f"[rank{r}] no newline at the end\n" in out
+        assert f"[rank{r}] warning from {r}\n" in err
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_raising_rank_is_named_with_type_message_and_traceback():
+    def work():
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            raise ValueError("bad batch on purpose")
+        dist.barrier()  # rank 0 blocks here; it must be stopped at once
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as ei:
+        launch(work, 2, timeout=60)
+    assert time.monotonic() - t0 < 15
+    e = ei.value
+    assert e.failed_ranks == [1]
+    assert e.failures[1].exc_type == "ValueError"
+    msg = str(e)
+    assert "rank 1 raised ValueError: bad batch on purpose" in msg
+    assert "Traceback" in msg and "in work" in msg
+    assert "rank 0 was stopped by the launcher" in msg
+    assert not isinstance(e, WorkerTimeout)
+
+
+def test_os_exit_is_named_with_exit_code():
+    def work():
+        if os.environ["RANK"] == "1":
+            os._exit(3)
+        time.sleep(30)
+
+    with pytest.raises(WorkerError, match="rank 1 exited with code 3"):
+        launch(work, 2, timeout=60)
+
+
+def test_sigkill_is_named_with_the_signal():
+    def work():
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+
+    with pytest.raises(WorkerError, match="rank 0 was killed by SIGKILL"):
+        launch(work, 2, timeout=60)
+
+
+def test_unpicklable_result_and_argument_get_clear_messages():
+    with pytest.raises(WorkerError, match="cannot be sent back to the notebook"):
+        launch(lambda: threading.Lock(), 2)
+    with pytest.raises(TypeError, match="could not send"):
+        launch(lambda lock: None, 2, args=(threading.Lock(),))
+
+
+def test_rank_that_skips_a_collective_times_out_with_stacks():
+    def work():
+        dist.init_process_group("gloo")
+        if dist.get_rank() != 1:  # rank 1 skips the barrier and waits elsewhere
+            dist.barrier()
+        else:
+            time.sleep(60)
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeout) as ei:
+        launch(work, 3, timeout=4)
+    elapsed = time.monotonic() - t0
+    assert 4 <= elapsed < 15
+    e = ei.value
+    assert sorted(e.failures) == [0, 1, 2]
+    assert "Timed out after 4 s" in str(e)
+    assert "barrier" in e.failures[0].stack and "in work" in e.failures[0].stack
+    assert "sleep" not in e.failures[0].stack
+    assert "in work" in e.failures[1].stack and "barrier" not in e.failures[1].stack
+
+
+# ---------------------------------------------------------------- interrupt and kernel death
+
+_DRIVER = textwrap.dedent("""
+    import os, sys, time
+    from course_utils import launch
+    def work(path):
+        with open(path + "." + os.environ["RANK"], "w") as f:
+            f.write(str(os.getpid()) + " " + os.environ["MASTER_PORT"])
+        time.sleep(120)
+    try:
+        launch(work, 2, args=(sys.argv[1],), timeout=300)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(7)
+""")
+
+
+def _start_driver(tmp_path: Path) -> tuple[subprocess.Popen, list[int], int]:
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    marker = str(tmp_path / "pid")
+    proc = subprocess.Popen([sys.executable, str(script), marker], stdout=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    files = [Path(f"{marker}.{r}") for r in (0, 1)]
+    while not all(f.exists() and f.read_text() for f in files):
+        assert time.monotonic() < deadline, "workers never started"
+        time.sleep(0.1)
+    pids, port = [], 0
+    for f in files:
+        pid, port_s = f.read_text().split()
+        pids.append(int(pid))
+        port = int(port_s)
+    assert all(psutil.pid_exists(p) for p in pids) and _port_is_bound(port)
+    return proc, pids, port
+
+
+def _wait_gone(pids: list[int], port: int, limit: float = 15.0) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive and not _port_is_bound(port):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"workers {alive} or port {port} survived")
+
+
+def test_keyboard_interrupt_stops_every_worker_and_frees_the_port(tmp_path):
+    proc, pids, port = _start_driver(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 7 and "interrupted" in out
+    _wait_gone(pids, port)
+
+
+def test_kernel_death_takes_the_workers_with_it(tmp_path):
+    proc, pids, port = _start_driver(tmp_path)
+    proc.kill()  # like a kernel killed from JupyterLab or by the OOM killer
+    proc.wait()
+    _wait_gone(pids, port)
+
+
+# ---------------------------------------------------------------- concurrency and leaks
+
+
+def test_two_launches_at_once_never_collide():
+    def work(tag):
+        dist.init_process_group("gloo")
+        t = torch.tensor([float(tag)])
+        dist.all_reduce(t)
+        time.sleep(0.5)
+        dist.destroy_process_group()
+        return t.item(), os.environ["MASTER_PORT"]
+
+    results: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, launch(work, 2, args=(k,))))
+               for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r[0] for r in results[1]] == [2.0, 2.0]
+    assert [r[0] for r in results[2]] == [4.0, 4.0]
+    assert results[1][0][1] != results[2][0][1]
+
+
+def test_two_processes_launch_at_once(tmp_path):
+    code = ("from course_utils import launch\nimport torch.distributed as dist, torch\n"
+            "def w():\n    dist.init_process_group('gloo'); t=torch.ones(1); dist.all_reduce(t)\n"
+            "    return t.item()\n"
+            "print('OK', launch(w, 2))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all("OK [2.0, 2.0]" in o for o in outs), outs
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_hundred_launches_leak_nothing():
+    def work():
+        dist.init_process_group("gloo")
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        return t.sum().item()
+
+    handlers = {s: signal.getsignal(s) for s in signal.valid_signals()
+                if s not in (signal.SIGKILL, signal.SIGSTOP)}
+    launch(work, 2)  # warm up: starts the fork server once
+    fds, threads = _open_fds(), threading.active_count()
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    rss = psutil.Process().memory_info().rss
+    t0 = time.monotonic()
+    for _ in range(100):
+        assert launch(work, 2) == [8.0, 8.0]
+    per_launch = (time.monotonic() - t0) / 100
+    assert _open_fds() == fds
+    assert threading.active_count() == threads
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == children
+    assert psutil.Process().memory_info().rss - rss < 50 * 2**20
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    print(f"repeated launch: {per_launch * 1000:.0f} ms")
+
+
+# ---------------------------------------------------------------- backend choice
+
+
+def test_backend_choice_on_cpu_and_with_enough_gpus(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    c = choose_backend(2)
+    assert (c.backend, c.device_type) == ("gloo", "cpu") and "no CUDA GPU" in c.reason
+    assert "backend: gloo" in capsys.readouterr().out
+    choose_backend(2)
+    assert capsys.readouterr().out == ""  # said once
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert choose_backend(2, announce=False).backend == "gloo"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert choose_backend(2, announce=False).backend == "nccl"
+
+
+def test_run_commands_kills_the_whole_tree_on_timeout():
+    res = run_commands({"sleepy": ["bash", "-c", "sleep 300 & sleep 300"]}, timeout=1, echo=False)
+    assert res[0].timed_out and res[0].returncode is None
