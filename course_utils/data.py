@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-__all__ = ["make_dataset", "CourseModel", "make_model", "make_sequences", "SequenceDataset",
+__all__ = ["make_dataset", "split", "train_reference", "CourseModel", "make_model",
+           "make_sequences", "SequenceDataset",
            "collate_pad", "seed_everything"]
 
 DIM = 32
@@ -109,3 +110,45 @@ def collate_pad(batch):
     for i, s in enumerate(seqs):
         out[i, : len(s)] = s
     return out, torch.stack(list(labels)), lengths
+
+
+def split(dataset: TensorDataset, n_val: int = 2048) -> tuple[TensorDataset, TensorDataset]:
+    """Deterministic train / validation split: the last ``n_val`` samples are for validation."""
+    x, y = dataset.tensors
+    return TensorDataset(x[:-n_val], y[:-n_val]), TensorDataset(x[-n_val:], y[-n_val:])
+
+
+def train_reference(
+    steps: int,
+    *,
+    batch_size: int = 64,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    seed: int = 0,
+    model: nn.Module | None = None,
+    dataset: TensorDataset | None = None,
+) -> tuple[nn.Module, list[float]]:
+    """The single-process reference that later chapters compare distributed runs against.
+
+    Trains ``make_model(seed)`` (or ``model``) with SGD for ``steps`` steps on consecutive
+    batches of ``batch_size`` from the training split, in a fixed order (sample ``i`` of step
+    ``s`` is ``(s * batch_size + i) % n``).  A data-parallel run on ``N`` ranks that gives rank
+    ``r`` the rows ``r::N`` of each global batch, divides by the right counts and averages
+    gradients must end with the same parameters, up to float rounding.  Returns the model and
+    the per-step losses.
+    """
+    if dataset is None:
+        dataset, _ = split(make_dataset())
+    model = model if model is not None else make_model(seed)
+    x, y = dataset.tensors
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    losses = []
+    n = len(x)
+    for s in range(steps):
+        idx = torch.arange(s * batch_size, (s + 1) * batch_size) % n
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
