@@ -148,25 +148,85 @@ def cpu_threads_per_worker(total_workers: int) -> int:
 # Set in a worker by _worker_main; read by course_utils.monitor.report.
 _REPORT_FD: int | None = None
 _REPORT_MAX = 4096  # pipe writes up to PIPE_BUF bytes are atomic: a report is never half-written
+_REPORT_PIPE_BYTES = (1 << 20, 1 << 18)  # pipe sizes to ask for (Linux default: 64 KiB)
+_report_state: dict = {"fd": None, "pending": None, "dropped": 0, "lock": None, "flusher": None}
 
 
 def send_report(metrics: dict) -> bool:
     """Send one progress report from a worker to the launching notebook, never blocking.
 
-    Returns False when not inside ``launch`` or when the pipe is full (the notebook is busy):
-    that report is dropped, by design, so that a slow display never slows training down.
+    Returns False when not inside ``launch``, or when the report could not be written now.
+
+    The pipe is enlarged to 1 MiB where the system allows (some 10,000 reports), and the launcher
+    empties it continuously, so normally every report arrives, in order.  If the notebook falls
+    so far behind that the pipe is full, the report is held back instead of blocking training:
+    only the newest held-back report is kept (the ones it replaces are intermediate values,
+    dropped by design and counted in ``_report_state["dropped"]``), it is written before the next
+    report, and a helper thread writes it as soon as the notebook has read, so that a rank's last
+    report still arrives when training ends while the pipe is full.  (It is lost only if the
+    worker exits before the notebook reads anything more.)
     """
-    if _REPORT_FD is None:
+    fd = _REPORT_FD
+    if fd is None:
         return False
     body = pickle.dumps(metrics, protocol=pickle.HIGHEST_PROTOCOL)
     frame = struct.pack("<I", len(body)) + body
     if len(frame) > _REPORT_MAX:
         raise ValueError("a report must be a few numbers and short strings (under 4 KiB pickled)")
+    st = _report_state
+    if st["fd"] != fd:  # first report of this worker
+        st.update(fd=fd, pending=None, dropped=0, lock=threading.Lock(), flusher=None)
+        import fcntl
+
+        for size in _REPORT_PIPE_BYTES:
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+                break
+            except (OSError, AttributeError):
+                continue
+    with st["lock"]:
+        if st["pending"] is not None and not _write_report(fd, st["pending"]):
+            st["pending"] = frame  # the held-back one was an intermediate value: replace it
+            st["dropped"] += 1
+            return False
+        st["pending"] = None
+        if _write_report(fd, frame):
+            return True
+        st["pending"] = frame
+        if st["flusher"] is None or not st["flusher"].is_alive():
+            st["flusher"] = threading.Thread(target=_flush_reports, args=(fd,),
+                                             name="report-flusher", daemon=True)
+            st["flusher"].start()
+        return False
+
+
+def _write_report(fd: int, frame: bytes) -> bool:
+    """One non-blocking, all-or-nothing write (frames are at most PIPE_BUF bytes)."""
     try:
-        os.write(_REPORT_FD, frame)
+        os.write(fd, frame)
         return True
     except BlockingIOError:
         return False
+    except OSError:  # the launcher is gone; the watchdog ends this worker
+        return True
+
+
+def _flush_reports(fd: int) -> None:
+    """Worker thread: write the held-back report as soon as the pipe has room, then end."""
+    import select
+
+    st = _report_state
+    while True:
+        with st["lock"]:
+            if st["pending"] is None:
+                return
+        try:
+            select.select([], [fd], [], 0.5)
+        except (OSError, ValueError):
+            return
+        with st["lock"]:
+            if st["pending"] is not None and _write_report(fd, st["pending"]):
+                st["pending"] = None
 
 
 def _worker_main(
@@ -277,6 +337,30 @@ def _context():
         return _ctx
 
 
+def _dumps(obj: Any) -> bytes:
+    """cloudpickle, keeping each function's source file name (for example a notebook cell's).
+
+    cloudpickle replaces the file name of the code it ships by value with "<dynamic-code>";
+    keeping the real one lets worker tracebacks point at, and quote, the cell that failed.
+    """
+    import types
+    from collections import ChainMap
+
+    import cloudpickle
+    from cloudpickle import cloudpickle as cp
+
+    def code_reduce(code: types.CodeType):
+        ctor, args = cp._code_reduce(code)
+        return ctor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+    class _Pickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap({types.CodeType: code_reduce}, cloudpickle.Pickler.dispatch_table)
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
 @contextlib.contextmanager
 def _main_module_hidden():
     """Stop multiprocessing from re-running the caller's script in every worker.
@@ -382,7 +466,7 @@ def launch(
     import torch.distributed as dist
 
     try:
-        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+        payload = _dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as e:
         raise TypeError(
             f"launch() could not send {getattr(fn, '__name__', fn)!r} or its arguments to the "
@@ -617,14 +701,25 @@ def _collect_stacks(ranks: list[_Rank], sel, live: "_DisplayHolder") -> dict[int
 
 
 def _tidy_stack(text: str) -> str:
-    """Keep the thread that runs the user's code; drop launcher plumbing frames."""
+    """Keep the thread that runs the user's code, drop launcher plumbing, quote each source line.
+
+    faulthandler prints frames most recent first, without source; the notebook's linecache
+    knows the source of its cells and files, so each frame gets its line of code.
+    """
+    import re
+
     blocks = [b for b in text.strip().split("\n\n") if b.strip()]
     main = [b for b in blocks if "_worker_main" in b] or blocks
-    keep = []
+    keep = ["(most recent call first)"] if main else []
     for line in main[0].splitlines() if main else []:
-        if any(s in line for s in ("multiprocessing", "launcher.py", '"<string>"', "thread 0x")):
+        if any(s in line for s in ("multiprocessing/", "course_utils/launcher.py", '"<string>"',
+                                   "thread 0x")):
             continue
         keep.append(line.strip())
+        m = re.match(r'\s*File "(.+)", line (\d+) in ', line)
+        code = linecache.getline(m.group(1), int(m.group(2))).strip() if m else ""
+        if code:
+            keep.append(f"    {code}")
     return "\n".join(keep)
 
 
@@ -660,34 +755,75 @@ def _shutdown(ranks: list[_Rank], sel, alive_writers: list) -> None:
 
 
 class _DisplayHolder:
-    """Creates the live display lazily, on the first report, and shields the launch from it."""
+    """Creates the live display lazily, on the first report, and shields the launch from it.
+
+    The launcher's loop also reads the workers' pipes, so a slow display must not slow it down:
+    once the display's ``update`` calls have used more than ``BUDGET`` of the time since it was
+    created, reports are coalesced (each rank's newest one waits, replacing older ones) and handed
+    over when the display is back within budget.  ``finish`` first hands over every waiting report,
+    so a display may miss intermediate reports but never a rank's last one.  A display that fails
+    to be created is dropped; exceptions from it never reach the launch.
+    """
+
+    BUDGET = 0.5
 
     def __init__(self, display: Any, world: int):
         self._spec = display
         self._world = world
         self._obj: Any = None
+        self._pending: dict[int, dict] = {}
+        self._spent = 0.0
+        self._t0 = 0.0
+        self._finished = False
+        self.coalesced = 0  # reports replaced by a newer one before the display saw them
 
     def update(self, rank: int, metrics: dict) -> None:
-        if self._spec is None:
+        if self._spec is None or self._finished:
             return
         if self._obj is None:
-            if self._spec == "auto":
-                from . import monitor
+            try:
+                if self._spec == "auto":
+                    from . import monitor
 
-                self._obj = monitor.make_display(self._world)
-            else:
-                self._obj = self._spec
-        self._obj.update(rank, metrics)
+                    self._obj = monitor.make_display(self._world)
+                else:
+                    self._obj = self._spec
+            except Exception:
+                self._spec = None
+                return
+            self._t0 = time.monotonic()
+        if rank in self._pending:
+            self.coalesced += 1
+        self._pending[rank] = metrics
+        if self._spent <= self.BUDGET * max(1.0, time.monotonic() - self._t0):
+            self._flush()
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        start = time.monotonic()
+        for rank, metrics in pending.items():
+            try:
+                self._obj.update(rank, metrics)
+            except Exception:
+                pass
+        self._spent += time.monotonic() - start
 
     def finish(self, failures: dict) -> None:
-        if self._obj is not None:
+        if self._obj is not None and not self._finished:
             try:
+                self._flush()
                 self._obj.finish(failures)
             except Exception:
                 pass
-            self._obj = None if self._spec == "auto" else self._obj
+        self._finished = True
+        if self._spec == "auto":
+            self._obj = None
 
     def close(self) -> None:
+        """End of the launch: a display that was not finished (an interrupt) is told so."""
+        if self._obj is not None and not self._finished:
+            self.finish({r: RankFailure(r, "stopped", message="the launch was interrupted")
+                         for r in range(self._world)})
         self._obj = None
 
 
