@@ -1,0 +1,378 @@
+"""Checkers of chapter 03 (process groups and collectives).
+
+Both checkers run the learner's function in real worker processes (``launch``, gloo on CPU, NCCL
+when there is a GPU per rank), on several world sizes, shapes and dtypes, and compare each rank's
+tensor with what ``dist.all_reduce`` gives on the same inputs.  While the learner's code runs, the
+collectives it may not use are replaced by functions that raise, and point-to-point calls are
+counted (calls and bytes sent).
+
+- ``check_all_reduce_mean(all_reduce_mean)``: ``all_reduce_mean(tensor)`` averages ``tensor`` in
+  place across ranks without ``dist.all_reduce``.
+- ``check_ring_all_reduce(ring_all_reduce)``: ``ring_all_reduce(tensor)`` sums ``tensor`` in place
+  across ranks with ``dist.send`` / ``recv`` / ``isend`` / ``irecv`` only, as a ring: a
+  reduce-scatter phase then an all-gather phase, sending about ``2(N-1)/N`` times the tensor's size.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..checking import CheckFailed, checker, require_callable
+
+__all__ = ["check_all_reduce_mean", "check_ring_all_reduce", "ForbiddenCollective"]
+
+_ALL_REDUCES = ("all_reduce", "all_reduce_coalesced")
+_COLLECTIVES = _ALL_REDUCES + (
+    "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "all_gather_object", "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "all_to_all", "all_to_all_single", "gather", "scatter",
+    "gather_object", "scatter_object_list", "broadcast_object_list",
+)
+_P2P_SEND = ("send", "isend")
+_P2P_RECV = ("recv", "irecv")
+
+
+class ForbiddenCollective(RuntimeError):
+    """Raised inside a worker when the learner's code calls a collective the exercise excludes."""
+
+
+class _CaseError(RuntimeError):
+    """The learner's function raised on one case; the message names the case."""
+
+
+class _Guard:
+    """Replace forbidden collectives by functions that raise; count point-to-point traffic."""
+
+    def __init__(self, forbidden: Sequence[str]):
+        self.forbidden = tuple(forbidden)
+        self.sent_bytes = 0
+        self.sends = 0
+        self.recvs = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> "_Guard":
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        def forbid(name: str) -> Callable:
+            def f(*args: Any, **kwargs: Any) -> Any:
+                raise ForbiddenCollective(f"dist.{name} is not allowed in this exercise")
+            return f
+
+        def counted(name: str, fn: Callable) -> Callable:
+            def f(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                if name in _P2P_SEND:
+                    self.sends += 1
+                    self.sent_bytes += tensor.numel() * tensor.element_size()
+                else:
+                    self.recvs += 1
+                return fn(tensor, *args, **kwargs)
+            return f
+
+        originals = {n: getattr(c10d, n) for n in _P2P_SEND + _P2P_RECV}
+        wrapped = {n: counted(n, fn) for n, fn in originals.items()}
+        for mod in (dist, c10d):
+            for name in self.forbidden:
+                if hasattr(mod, name):
+                    self._saved.append((mod, name, getattr(mod, name)))
+                    setattr(mod, name, forbid(name))
+            for name, fn in wrapped.items():
+                self._saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, fn)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for mod, name, value in reversed(self._saved):
+            setattr(mod, name, value)
+        self._saved.clear()
+
+
+def _make_input(shape: tuple, dtype_name: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, dtype_name)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    return torch.randint(-50, 50, shape, generator=g, dtype=dtype)
+
+
+def _run_cases(fn: Callable, cases: list, forbidden: Sequence[str], mean: bool) -> list[dict]:
+    """Worker: run ``fn`` on every case; return what each rank had before and after."""
+    import torch.distributed as dist
+
+    from ..devices import backend_and_device
+
+    backend, device = backend_and_device(announce=False)
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    try:
+        for i, (shape, dtype_name) in enumerate(cases):
+            x = _make_input(shape, dtype_name, 1000 * i + rank).to(device)
+            expected = x.clone()
+            dist.all_reduce(expected)  # the real thing, on the same inputs
+            if mean:
+                expected /= world
+            t = x.clone()
+            guard = _Guard(forbidden)
+            try:
+                with guard:
+                    ret = fn(t)
+            except (NotImplementedError, ForbiddenCollective):
+                raise
+            except Exception as e:
+                raise _CaseError(f"case {i}: tensor of shape {tuple(shape)} ({t.numel()} elements), "
+                                 f"dtype {dtype_name}: {type(e).__name__}: {e}") from e
+            out.append({
+                "rank": rank, "shape": tuple(shape), "dtype": dtype_name, "input": x.cpu(),
+                "expected": expected.cpu(), "got": t.detach().cpu(),
+                "returned": ret.detach().cpu() if isinstance(ret, torch.Tensor) else None,
+                "sent_bytes": guard.sent_bytes, "sends": guard.sends, "recvs": guard.recvs,
+            })
+            dist.barrier()  # every rank finishes a case before the next one starts
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return False
+    if not expected.dtype.is_floating_point:
+        return torch.equal(got, expected)
+    tol = 1e-12 if expected.dtype == torch.float64 else 1e-5
+    return torch.allclose(got, expected, rtol=tol, atol=tol)
+
+
+def _first_diff(got: torch.Tensor, expected: torch.Tensor) -> str:
+    g, e = got.reshape(-1), expected.reshape(-1)
+    if g.shape != e.shape:
+        return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
+    bad = torch.nonzero(~torch.isclose(g.double(), e.double(), rtol=1e-5, atol=1e-5)).flatten()
+    i = int(bad[0]) if bad.numel() else 0
+    return (f"{bad.numel()} of {e.numel()} elements differ; first at flat index {i}: expected "
+            f"{e[i].item():.6g}, got {g[i].item():.6g}")
+
+
+def _run(fn: Callable, worlds: Sequence[int], cases: list, forbidden: Sequence[str], mean: bool,
+         timeout: float, what: str) -> list[list[dict]]:
+    """Launch the cases on each world size; turn worker failures into CheckFailed messages."""
+    from ..launcher import WorkerError, WorkerTimeout, launch
+
+    results = []
+    for world in worlds:
+        try:
+            results.append(launch(_run_cases, nprocs=world, args=(fn, cases, forbidden, mean),
+                                  timeout=timeout))
+        except WorkerTimeout as e:
+            stacks = {r: f.stack for r, f in e.failures.items() if f.kind == "timeout"}
+            in_send = [r for r, s in stacks.items() if re.search(r"\bin (send|_send)\b", s)]
+            in_recv = [r for r, s in stacks.items() if re.search(r"\bin (recv|_recv)\b", s)]
+            if stacks and len(in_send) == len(stacks):
+                why = ("every rank is blocked in dist.send: with gloo (and NCCL) a blocking send "
+                       "waits until the peer posts the matching recv, so when all ranks send "
+                       "first, all of them wait forever. Start the send with dist.isend, then "
+                       "recv, then wait() on the send (or alternate the order on even/odd ranks).")
+            elif in_recv:
+                why = (f"rank(s) {in_recv} wait in recv for a message no rank sends: check the "
+                       "peer ranks ((rank + 1) % world to send, (rank - 1) % world to receive), "
+                       "that every rank does the same number of steps, and that a wait() on an "
+                       "isend/irecv is not missing.")
+            else:
+                why = "a rank never returned; see its stack below."
+            first = min(stacks) if stacks else min(e.failures)
+            raise CheckFailed(
+                f"{what} hung with world size {world} (no result after {timeout:g} s): {why}\n"
+                f"rank {first} was stuck here:\n{stacks.get(first, '(no stack)')}") from None
+        except WorkerError as e:
+            real = [f for f in sorted(e.failures.values(), key=lambda f: f.rank)
+                    if f.kind != "stopped"]
+            if any(f.exc_type == "NotImplementedError" for f in real):
+                raise  # the checker decorator reports "not done yet"
+            f = real[0] if real else next(iter(e.failures.values()))
+            if f.exc_type == "ForbiddenCollective":
+                allowed = ("only dist.send / dist.recv / dist.isend / dist.irecv"
+                           if "broadcast" in forbidden else
+                           "other collectives (reduce, broadcast, all_gather, ...)")
+                raise CheckFailed(
+                    f"rank {f.rank} called a collective this exercise excludes ({f.message}). "
+                    f"Build {what} from {allowed}.") from None
+            if f.exc_type == "_CaseError":
+                m = re.search(r"\((\d+) elements\)", f.message)
+                hint = ""
+                if m and int(m.group(1)) % world:
+                    hint = (f"\nUsual mistake: assuming the size divides by the world size "
+                            f"({m.group(1)} elements on {world} ranks). Split the flattened tensor "
+                            "with torch.tensor_split(flat, world): pieces may differ in size by "
+                            "one, or be empty when there are fewer elements than ranks.")
+                raise CheckFailed(f"{what} raised on rank {f.rank} with world size {world}, "
+                                  f"{f.message}{hint}") from None
+            raise CheckFailed(f"{what} failed with world size {world}: {f.describe()}") from None
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# 03.a all-reduce mean from other primitives
+# --------------------------------------------------------------------------------------------
+
+_MEAN_CASES = [((6,), "float32"), ((3, 5), "float64"), ((4,), "float32")]
+
+
+@checker("03.a all-reduce mean")
+def check_all_reduce_mean(all_reduce_mean: Callable[[torch.Tensor], Any], *,
+                          timeout: float = 30.0) -> None:
+    """``all_reduce_mean(tensor)``: every rank ends with the mean over ranks, in place,
+    built without ``dist.all_reduce``."""
+    require_callable(all_reduce_mean, "all_reduce_mean(tensor), averaging in place across ranks")
+    worlds = (2, 3)
+    runs = _run(all_reduce_mean, worlds, _MEAN_CASES, _ALL_REDUCES, True, timeout,
+                "all_reduce_mean")
+    for world, ranks in zip(worlds, runs):
+        for ci in range(len(_MEAN_CASES)):
+            rows = [ranks[r][ci] for r in range(world)]
+            bad = [row for row in rows if not _close(row["got"], row["expected"])]
+            if not bad:
+                continue
+            row = bad[0]
+            where = (f"rank {row['rank']} of {world}, tensor of shape {row['shape']} "
+                     f"({row['dtype']})")
+            got, exp, inp = row["got"], row["expected"], row["input"]
+            if got.dtype != exp.dtype or got.shape != exp.shape:
+                raise CheckFailed(f"on {where}: the tensor changed to shape {tuple(got.shape)} / "
+                                  f"dtype {got.dtype}; it must keep its shape and dtype.")
+            ok = sorted(set(range(world)) - {b["rank"] for b in bad})
+            if ok:
+                raise CheckFailed(
+                    f"on {where}: {_first_diff(got, exp)}, while rank(s) {ok} hold the mean. "
+                    "Usual mistake: dist.reduce(tensor, dst=0) leaves the result on rank 0 only "
+                    "(the other ranks' tensors are scratch space afterwards); follow it with "
+                    "dist.broadcast(tensor, src=0).")
+            if torch.equal(got, inp):
+                ret = row["returned"]
+                extra = (" You returned the mean instead of writing it into `tensor`."
+                         if ret is not None and _close(ret, exp) else "")
+                raise CheckFailed(
+                    f"on {where}: the tensor is unchanged on every rank. all_reduce_mean must work "
+                    "in place, as dist.all_reduce does (write into `tensor` with copy_, div_, or "
+                    f"a collective that fills it).{extra}")
+            if _close(got, exp * world):
+                raise CheckFailed(
+                    f"on {where}: expected the mean, got the SUM over the {world} ranks "
+                    f"({_first_diff(got, exp)}). Divide by dist.get_world_size().")
+            if _close(got, torch.full_like(inp, inp.mean().item())):
+                raise CheckFailed(
+                    f"on {where}: every element equals the mean of this rank's own elements: "
+                    "the average is across ranks (element by element), not across the elements "
+                    "of one tensor.")
+            raise CheckFailed(f"on {where}: {_first_diff(got, exp)}")
+    print(f"all_reduce_mean matches dist.all_reduce / world size on world sizes {list(worlds)}, "
+          f"{len(_MEAN_CASES)} shapes/dtypes, without dist.all_reduce")
+
+
+# --------------------------------------------------------------------------------------------
+# 03.b ring all-reduce from send/recv
+# --------------------------------------------------------------------------------------------
+
+# Sizes that divide by 2, 3 and 4 and sizes that do not; 3 elements on 4 ranks leaves a piece empty.
+_RING_CASES = [((12,), "float32"), ((7,), "float32"), ((5, 3), "float64"), ((1001,), "int64"),
+               ((3,), "float32"), ((4096,), "float32")]
+
+
+def _pieces(t: torch.Tensor, world: int) -> list[torch.Tensor]:
+    return list(t.reshape(-1).tensor_split(world))
+
+
+def _explain_piece(k: int, got: torch.Tensor, exp: torch.Tensor, rows: list[dict],
+                   world: int) -> str:
+    """Name what a wrong piece holds: a partial sum of some ranks' inputs, or the full sum plus one.
+
+    "partial": the sum over a proper subset of the ranks' inputs (a reduce-scatter in progress);
+    "added": the full sum plus such a partial sum (received complete pieces were added, not copied).
+    """
+    inputs = [_pieces(rows[r]["input"], world)[k] for r in range(world)]
+    for mask in range(1, 2 ** world):
+        subset = [inputs[r] for r in range(world) if mask >> r & 1]
+        part = torch.stack(subset).sum(0) if len(subset) > 1 else subset[0]
+        if mask != 2 ** world - 1 and _close(got, part):
+            return "partial"
+        if _close(got, exp + part):
+            return "added"
+    return "other"
+
+
+@checker("03.b ring all-reduce")
+def check_ring_all_reduce(ring_all_reduce: Callable[[torch.Tensor], Any], *,
+                          worlds: Sequence[int] = (2, 3, 4), timeout: float = 30.0) -> None:
+    """``ring_all_reduce(tensor)``: in-place sum across ranks from point-to-point calls only,
+    compared with ``dist.all_reduce`` for world sizes 2 to 4 and several sizes and dtypes."""
+    require_callable(ring_all_reduce, "ring_all_reduce(tensor), summing in place across ranks")
+    runs = _run(ring_all_reduce, worlds, _RING_CASES, _COLLECTIVES, False, timeout,
+                "ring_all_reduce")
+    for world, ranks in zip(worlds, runs):
+        for ci in range(len(_RING_CASES)):
+            rows = [ranks[r][ci] for r in range(world)]
+            for row in rows:
+                got, exp, inp = row["got"], row["expected"], row["input"]
+                where = (f"rank {row['rank']} of {world}, tensor of shape {row['shape']} "
+                         f"({got.numel()} elements, {row['dtype']})")
+                if _close(got, exp):
+                    continue
+                if got.dtype != exp.dtype or got.shape != exp.shape:
+                    raise CheckFailed(f"on {where}: the tensor changed to shape "
+                                      f"{tuple(got.shape)} / dtype {got.dtype}.")
+                if torch.equal(got, inp):
+                    ret = row["returned"]
+                    extra = (" You returned the sum instead of writing it into `tensor`."
+                             if ret is not None and _close(ret, exp) else "")
+                    raise CheckFailed(
+                        f"on {where}: the tensor is unchanged. ring_all_reduce must work in "
+                        "place, like dist.all_reduce: receive into buffers and add_/copy_ into "
+                        f"the pieces of `tensor` (views of it), not into new tensors.{extra}")
+                pg, pe = _pieces(got, world), _pieces(exp, world)
+                good = [k for k, (a, b) in enumerate(zip(pg, pe)) if b.numel() and _close(a, b)]
+                nonempty = [k for k, b in enumerate(pe) if b.numel()]
+                kinds = {_explain_piece(k, pg[k], pe[k], rows, world)
+                         for k in nonempty if k not in good}
+                if len(nonempty) > 1 and len(good) == 1 and kinds == {"partial"}:
+                    raise CheckFailed(
+                        f"on {where}: only piece {good[0]} of {world} holds the full sum, the others "
+                        "hold partial sums: that is the state after the reduce-scatter phase. The "
+                        "all-gather phase is missing: N-1 more steps in which each rank passes on "
+                        "the last fully reduced piece it holds, and the receiver copies it.")
+                if "added" in kinds:
+                    raise CheckFailed(
+                        f"on {where}: some pieces hold the full sum PLUS a partial sum "
+                        f"({_first_diff(got, exp)}): the all-gather phase adds what it receives. "
+                        "In that phase the received piece is already the complete sum: copy it "
+                        "into place (copy_ or recv straight into the piece), do not add.")
+                hint = ""
+                if got.numel() % world:
+                    hint = (f" The size ({got.numel()}) does not divide by the world size: do all "
+                            "ranks cut the tensor into the same pieces (torch.tensor_split)?")
+                raise CheckFailed(
+                    f"on {where}: {_first_diff(got, exp)}; pieces with the right sum: "
+                    f"{good or 'none'} of {list(range(world))}. Usual mistake: off-by-one piece "
+                    "indices (at step s rank r sends piece (r - s) % N and receives piece "
+                    f"(r - s - 1) % N in the reduce-scatter phase), or pieces cut differently "
+                    f"on different ranks.{hint}")
+            for row in rows:
+                numel, elsize = row["got"].numel(), row["got"].element_size()
+                if world > 1 and numel and row["sends"] == 0:
+                    raise CheckFailed(
+                        f"rank {row['rank']} of {world} sent nothing with dist.send/isend, yet "
+                        "its tensor holds the sum: build the ring from point-to-point messages.")
+                bound = 2 * (world - 1) * math.ceil(numel / world) * elsize
+                if row["sent_bytes"] > bound:
+                    ring = 2 * (world - 1) / world * numel * elsize
+                    raise CheckFailed(
+                        f"rank {row['rank']} of {world} sent {row['sent_bytes']} bytes for a tensor "
+                        f"of {numel * elsize} bytes; a ring all-reduce sends 2(N-1)/N x size = "
+                        f"{ring:.0f} bytes per rank. The result is right, but sending whole "
+                        "tensors (to every rank, or around the ring N-1 times) is not a ring "
+                        "all-reduce: send one piece (1/N of the tensor) per step.")
+    print(f"ring_all_reduce matches dist.all_reduce on world sizes {list(worlds)} for "
+          f"{len(_RING_CASES)} shapes/dtypes (sizes not divisible by the world size included), "
+          "sending 2(N-1)/N x size per rank")

@@ -1,0 +1,158 @@
+"""Chapter 02 checker: one DataParallel step on CPU from scatter / replicate / apply / gather.
+
+``check_dp_step`` must accept a correct step and reject the usual mistakes, each with a message
+that names it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_utils.checking import CheckFailed
+from course_utils.checks import check_dp_step
+
+
+def _replicas(model, n):
+    return [copy.deepcopy(model, memo={id(p): p.clone() for p in model.parameters()})
+            for _ in range(n)]
+
+
+def _in_threads(replicas, chunks):
+    outputs = [None] * len(chunks)
+
+    def run(i):
+        outputs[i] = replicas[i](chunks[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(chunks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outputs
+
+
+def dp_step_right(model, x, y, n_devices):
+    chunks = x.chunk(n_devices)
+    outputs = _in_threads(_replicas(model, len(chunks)), chunks)
+    out = torch.cat(outputs)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return out, loss
+
+
+def dp_step_sum_of_losses(model, x, y, n_devices):
+    chunks, targets = x.chunk(n_devices), y.chunk(n_devices)
+    outputs = _in_threads(_replicas(model, len(chunks)), chunks)
+    loss = sum(F.cross_entropy(o, t) for o, t in zip(outputs, targets))
+    loss.backward()
+    return torch.cat(outputs), loss
+
+
+def dp_step_mean_of_means(model, x, y, n_devices):
+    chunks, targets = x.chunk(n_devices), y.chunk(n_devices)
+    outputs = _in_threads(_replicas(model, len(chunks)), chunks)
+    loss = sum(F.cross_entropy(o, t) for o, t in zip(outputs, targets)) / len(chunks)
+    loss.backward()
+    return torch.cat(outputs), loss
+
+
+def dp_step_detached_replicas(model, x, y, n_devices):
+    chunks = x.chunk(n_devices)
+    outputs = _in_threads([copy.deepcopy(model) for _ in chunks], chunks)
+    out = torch.cat(outputs)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return out, loss
+
+
+def dp_step_sequential(model, x, y, n_devices):
+    chunks = x.chunk(n_devices)
+    replicas = _replicas(model, len(chunks))
+    out = torch.cat([r(c) for r, c in zip(replicas, chunks)])
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return out, loss
+
+
+def dp_step_gather_as_finished(model, x, y, n_devices):
+    """Appends outputs in completion order; made deterministic here: the last chunk finishes first."""
+    chunks = x.chunk(n_devices)
+    outputs = _in_threads(_replicas(model, len(chunks)), chunks)
+    out = torch.cat(outputs[::-1])
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return out, loss
+
+
+def dp_step_tensor_split(model, x, y, n_devices):
+    chunks = x.tensor_split(n_devices)
+    outputs = _in_threads(_replicas(model, len(chunks)), chunks)
+    out = torch.cat(outputs)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return out, loss
+
+
+def dp_step_no_replicas(model, x, y, n_devices):
+    chunks = x.chunk(n_devices)
+    outputs = _in_threads([model] * len(chunks), chunks)
+    out = torch.cat(outputs)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return out, loss
+
+
+def dp_step_no_backward(model, x, y, n_devices):
+    chunks = x.chunk(n_devices)
+    out = torch.cat(_in_threads(_replicas(model, len(chunks)), chunks))
+    return out, F.cross_entropy(out, y)
+
+
+def test_accepts_the_right_step(capsys):
+    check_dp_step(dp_step_right)
+    assert "[PASS] 02.a data parallel step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (dp_step_sum_of_losses, r"SUM of the \d+ replicas' mean losses"),
+    (dp_step_mean_of_means, r"average of the per-replica mean losses"),
+    (dp_step_detached_replicas, r"have no gradient.*detached copies"),
+    (dp_step_no_backward, r"have no gradient.*backward\(\) was not called"),
+    (dp_step_sequential, r"every replica ran in the calling thread"),
+    (dp_step_gather_as_finished, r"right rows in the wrong order"),
+    (dp_step_tensor_split, r"cuts the batch like torch\.chunk"),
+    (dp_step_no_replicas, r"the original `model` ran on a chunk"),
+], ids=lambda v: getattr(v, "__name__", "msg"))
+def test_rejects_typical_mistakes(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        check_dp_step(wrong)
+
+
+def test_rejects_stub_none_and_bad_return():
+    def stub(model, x, y, n_devices):
+        raise NotImplementedError("Exercise 02.a data parallel step: replace this line")
+
+    with pytest.raises(CheckFailed, match="not done yet"):
+        check_dp_step(stub)
+    with pytest.raises(CheckFailed, match="got None"):
+        check_dp_step(None)
+    with pytest.raises(CheckFailed, match="returned None"):
+        check_dp_step(lambda model, x, y, n: None)
+    with pytest.raises(CheckFailed, match=r"expected shape \(8, 10\)"):
+        check_dp_step(lambda model, x, y, n: (model(x[:4]), torch.tensor(0.0)))
+
+
+def test_reports_exceptions_with_the_case():
+    def crashes_on_uneven(model, x, y, n_devices):
+        if x.shape[0] % n_devices:
+            raise ValueError("batch does not split evenly")
+        return dp_step_right(model, x, y, n_devices)
+
+    with pytest.raises(CheckFailed, match=r"ValueError: batch does not split evenly \(for a batch "
+                                          r"of 10 on 4 device\(s\); the chunks have sizes"):
+        check_dp_step(crashes_on_uneven)
