@@ -1,69 +1,567 @@
 """Progress reports from workers, and the display that shows them in the notebook.
 
-Worker code calls ``report(step=..., loss=...)``.  Inside ``course_utils.launch`` the values travel
-to the notebook through a non-blocking pipe; anywhere else (plain ``python``, ``torchrun``) rank 0
-prints an occasional log line instead, so the same training file runs everywhere unchanged.
+Worker code calls ``report(step=..., loss=..., total=...)``:
+
+- inside ``course_utils.launch`` the values travel to the notebook through a non-blocking pipe
+  (``launcher.send_report``) and the cell shows one progress bar per rank with its latest metrics
+  and a live loss curve per rank;
+- inside ``with monitor.live():`` (training in the notebook's own process) they go straight to the
+  same display;
+- anywhere else (plain ``python``, ``torchrun``) rank 0 prints a log line now and then, so the same
+  training file runs everywhere unchanged.
+
+Keys with a meaning: ``step`` (the progress; report the number of steps *done*, ``i + 1``),
+``total`` (the number of steps expected; gives the progress bar its length), ``loss`` (plotted;
+see ``PLOT_KEY``).  Any other number or short string is shown as text next to the bar.
+
+Which display the launch gets (``display_mode``)
+------------------------------------------------
+There is no reliable way for a kernel to know whether a browser is looking at it: nbval, nbconvert
+and JupyterLab all run the same IPython kernel with ipywidgets importable.  The rule used here:
+
+1. ``monitor.DISPLAY`` (set it in a notebook: ``course_utils.monitor.DISPLAY = "text"``), else
+2. the environment variable ``COURSE_DISPLAY`` (``widgets``, ``text`` or ``none``), else
+3. ``widgets`` when this is an IPython kernel with ipywidgets *and* a Jupyter server started it
+   (JupyterLab and Notebook 7 put ``JPY_SESSION_NAME`` in the kernel's environment; nbval,
+   nbconvert and nbclient do not) and no pytest run is in progress; ``text`` otherwise.
+
+In another front end that shows widgets (VS Code, say) set ``COURSE_DISPLAY=widgets``.
+
+What each display leaves in the cell
+------------------------------------
+``text``: nothing while the workers run, then one line per rank whose wording depends only on
+the steps reached and how each rank ended (``rank 0: step 50/50, done``), so a cell may carry
+``# NBVAL_CHECK_OUTPUT``; then, in a kernel, one static figure of the loss per rank (final values
+in its legend).  In a terminal the lines also carry the last metrics, and there is no figure.
+
+``widgets``: while the workers run, a progress bar, a metrics line per rank and a live plot
+(redrawn at most ``1 / PLOT_MIN_INTERVAL_S`` times a second, and less often when drawing is slow,
+so that the launcher's loop keeps reading the pipes).  At the end the widgets are replaced, in
+place, by a static summary (HTML, with the text lines as its plain-text form) followed by the
+static final figure, so a saved notebook shows the result without a kernel or widget state.
 """
 
 from __future__ import annotations
 
+import contextlib
+import html
+import io
+import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["report", "make_display", "TextDisplay"]
+__all__ = [
+    "report",
+    "make_display",
+    "display_mode",
+    "live",
+    "TextDisplay",
+    "WidgetDisplay",
+    "NullDisplay",
+    "DISPLAY",
+    "PLOT_KEY",
+]
 
-_last_log = 0.0
+#: "widgets", "text" or "none" to force a display in this kernel; None: ``COURSE_DISPLAY`` or auto.
+DISPLAY: str | None = None
+#: The metric drawn as a curve per rank.
+PLOT_KEY = "loss"
+#: Outside ``launch``: rank 0 prints at most one line every this many seconds.
 LOG_EVERY_S = 5.0
+#: Widget display: the bars and metric lines are refreshed at most this often...
+REFRESH_S = 0.2
+#: ...and the live plot at most this often (and never more than 1/4 of the time goes to drawing).
+PLOT_MIN_INTERVAL_S = 0.25
+#: Points kept per rank for the curve; beyond that every other point is dropped (the shape stays).
+MAX_POINTS = 4000
+
+_MODES = ("widgets", "text", "none")
+
+# --------------------------------------------------------------------------------------------
+# The worker side
+# --------------------------------------------------------------------------------------------
+
+_sink: Any = None  # the display of an enclosing ``live()`` block in this process
+_last_log = 0.0
+_logged_any = False
 
 
 def report(**metrics: Any) -> None:
     """Send this rank's latest metrics (numbers or short strings) to the notebook's display.
 
-    Never blocks: when the notebook falls behind, intermediate reports are dropped by design; the
-    display always shows the latest values it received.  Outside ``launch`` rank 0 prints at most
-    one line every ``LOG_EVERY_S`` seconds.
+    ``report(step=i + 1, total=steps, loss=loss, samples_per_s=rate)``.  Tensors and NumPy scalars
+    are converted with ``.item()`` (on a GPU that waits for the step to finish: report every few
+    steps there).
+
+    Inside ``launch`` this never blocks and costs a few microseconds: the report is pickled and
+    written to a pipe to the notebook.  If the notebook falls so far behind that the pipe is full
+    (about 1 MiB, some 10,000 reports), intermediate reports are dropped by design: the newest is
+    held back and written as soon as there is room, so the last report of each rank arrives (see
+    ``launcher.send_report``).
+
+    Outside ``launch`` and ``live()``, rank 0 (``RANK`` unset or ``0``) prints its first report,
+    then at most one line every ``LOG_EVERY_S`` seconds, and the report where ``step`` reaches
+    ``total``; the other ranks print nothing.
     """
     from . import launcher as _launch
 
-    clean = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
+    clean = {k: _plain(k, v) for k, v in metrics.items()}
     if _launch._REPORT_FD is not None:
         _launch.send_report(clean)
         return
-    global _last_log
+    if _sink is not None:
+        _sink.update(0, clean)
+        return
+    _log(clean)
+
+
+def _plain(key: str, v: Any) -> Any:
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    if hasattr(v, "item"):
+        try:
+            return v.item()
+        except (ValueError, RuntimeError):
+            raise TypeError(
+                f"report({key}=...) takes a number; got a {type(v).__name__} with "
+                f"{getattr(v, 'numel', lambda: '?')()} elements (report one value, e.g. the mean)"
+            ) from None
+    if isinstance(v, (bytes, bytearray)):
+        return bytes(v).decode("utf-8", "replace")
+    return str(v)
+
+
+def _log(clean: dict) -> None:
+    global _last_log, _logged_any
     if os.environ.get("RANK", "0") != "0":
         return
     now = time.monotonic()
-    if now - _last_log >= LOG_EVERY_S:
+    last = _is_last(clean)
+    if not _logged_any or last or now - _last_log >= LOG_EVERY_S:
         _last_log = now
-        print(" ".join(f"{k}={_fmt(v)}" for k, v in clean.items()), file=sys.stderr)
+        _logged_any = True
+        print("[report] " + _fmt_metrics(clean, sep=" ", eq="="), file=sys.stderr, flush=True)
+
+
+def _is_last(m: dict) -> bool:
+    step, total = m.get("step"), m.get("total")
+    return _is_number(step) and _is_number(total) and step >= total
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+    if isinstance(v, float):
+        if v.is_integer() and abs(v) < 1e15:
+            return str(int(v))
+        return f"{v:.4g}"
+    return str(v)
 
 
-class TextDisplay:
-    """Plain-text display: one summary line per rank when the launch ends."""
+def _fmt_metrics(m: dict, *, sep: str = " · ", eq: str = " ", skip: tuple = ()) -> str:
+    return sep.join(f"{k}{eq}{_fmt(v)}" for k, v in m.items() if k not in skip)
 
-    def __init__(self, world: int):
+
+# --------------------------------------------------------------------------------------------
+# Choosing a display
+# --------------------------------------------------------------------------------------------
+
+
+def _in_kernel() -> bool:
+    """True inside an IPython kernel (JupyterLab, nbval, nbconvert), not in a terminal IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+def _has_ipywidgets() -> bool:
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def display_mode() -> str:
+    """``"widgets"``, ``"text"`` or ``"none"``: what ``launch`` shows (rules in the module doc)."""
+    for source, value in (("monitor.DISPLAY", DISPLAY), ("COURSE_DISPLAY", os.environ.get("COURSE_DISPLAY"))):
+        if value:
+            value = value.strip().lower()
+            if value == "auto":
+                break
+            if value not in _MODES:
+                raise ValueError(f"{source} must be one of {', '.join(_MODES)} or auto, not {value!r}")
+            if value == "widgets" and not (_has_ipywidgets() and _in_kernel()):
+                return "text"  # no widgets outside a kernel (a terminal): the text display
+            return value
+    if (_in_kernel() and _has_ipywidgets() and "JPY_SESSION_NAME" in os.environ
+            and "PYTEST_CURRENT_TEST" not in os.environ):
+        return "widgets"
+    return "text"
+
+
+def make_display(world: int, *, mode: str | None = None, plot: str | None = None) -> Any:
+    """The display used by ``launch`` for ``display="auto"``: see ``display_mode``."""
+    mode = mode or display_mode()
+    if mode == "none":
+        return NullDisplay(world)
+    if mode == "widgets":
+        return WidgetDisplay(world, plot=plot)
+    return TextDisplay(world, plot=plot)
+
+
+@contextlib.contextmanager
+def live(world: int = 1, *, display: Any = None) -> Iterator[Any]:
+    """Show ``report()`` calls made in *this* process (training in the notebook itself).
+
+    ::
+
+        with monitor.live():
+            for i in range(steps):
+                ...
+                report(step=i + 1, total=steps, loss=loss)
+
+    Reports are shown as rank 0.  The display is finished when the block ends; an exception
+    leaves it showing where training stopped, and is raised as usual.
+    """
+    global _sink
+    from .launcher import RankFailure
+
+    disp = display if display is not None else make_display(world)
+    previous, _sink = _sink, disp
+    failures: dict = {}
+    try:
+        yield disp
+    except BaseException as e:
+        failures = {0: RankFailure(0, "exception", exc_type=type(e).__name__, message=str(e))}
+        raise
+    finally:
+        _sink = previous
+        disp.finish(failures)
+
+
+# --------------------------------------------------------------------------------------------
+# What every display records
+# --------------------------------------------------------------------------------------------
+
+
+class _RankState:
+    """One rank's reports, reduced to what a display needs."""
+
+    __slots__ = ("count", "step", "total", "latest", "xs", "ys", "stride", "last_point")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.step: Any = None
+        self.total: Any = None
+        self.latest: dict = {}
+        self.xs: list = []
+        self.ys: list = []
+        self.stride = 1  # keep one point in ``stride`` once MAX_POINTS was reached
+        self.last_point: tuple | None = None
+
+    def add(self, metrics: dict, plot_key: str) -> None:
+        self.count += 1
+        if "step" in metrics:
+            self.step = metrics["step"]
+        if "total" in metrics:
+            self.total = metrics["total"]
+        self.latest = metrics
+        y = metrics.get(plot_key)
+        if _is_number(y) or isinstance(y, bool):
+            x = self.step if _is_number(self.step) else self.count
+            self.last_point = (x, float(y))
+            if (self.count - 1) % self.stride == 0:
+                self.xs.append(x)
+                self.ys.append(float(y))
+                if len(self.xs) > MAX_POINTS:
+                    self.xs, self.ys = self.xs[::2], self.ys[::2]
+                    self.stride *= 2
+
+    def points(self) -> tuple[list, list]:
+        """The curve, always ending at the last reported value."""
+        xs, ys = list(self.xs), list(self.ys)
+        if self.last_point is not None and (not xs or (xs[-1], ys[-1]) != self.last_point):
+            xs.append(self.last_point[0])
+            ys.append(self.last_point[1])
+        return xs, ys
+
+    def where(self) -> str:
+        """How far the rank got, in words that depend only on the steps reached."""
+        if _is_number(self.step):
+            if _is_number(self.total):
+                return f"step {_fmt(self.step)}/{_fmt(self.total)}"
+            return f"step {_fmt(self.step)}"
+        if self.count:
+            return f"{self.count} report{'s' if self.count != 1 else ''}"
+        return "no reports"
+
+
+def _failure_text(f: Any) -> str:
+    """``raised ValueError``, ``killed by SIGKILL``... from a launcher.RankFailure."""
+    kind = getattr(f, "kind", "")
+    if kind == "exception":
+        return f"raised {f.exc_type}"
+    if kind == "signal":
+        import signal as _signal
+
+        sig = -(f.exitcode or 0)
+        try:
+            return f"killed by {_signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    if kind == "exit":
+        return f"exited with code {f.exitcode}"
+    if kind == "timeout":
+        return "still running when the launch timed out"
+    return getattr(f, "message", "") or kind or "stopped"
+
+
+def _finished_anyway(f: Any) -> bool:
+    """A rank the launcher marks "stopped" although it had returned (another rank failed)."""
+    return getattr(f, "kind", "") == "stopped" and getattr(f, "message", "").startswith("finished")
+
+
+def status_line(rank: int, st: _RankState, failure: Any = None) -> str:
+    """``rank 0: step 50/50, done`` / ``rank 1: stopped at step 37/50: raised RuntimeError``."""
+    where = st.where()
+    if failure is None:
+        return f"rank {rank}: {where}, done"
+    if _finished_anyway(failure):
+        return f"rank {rank}: {where}, {failure.message}"
+    at = "before its first report" if where == "no reports" else (
+        f"at {where}" if where.startswith("step") else f"after {where}")
+    return f"rank {rank}: stopped {at}: {_failure_text(failure)}"
+
+
+class _Recorder:
+    """Keeps every rank's state; the displays below add what they show."""
+
+    def __init__(self, world: int, *, plot: str | None = None):
         self.world = world
-        self.latest: dict[int, dict] = {}
-        self.count: dict[int, int] = {}
+        self.plot_key = plot or PLOT_KEY
+        self.states: dict[int, _RankState] = {r: _RankState() for r in range(world)}
+        self.failures: dict | None = None  # set by finish()
 
     def update(self, rank: int, metrics: dict) -> None:
-        self.latest[rank] = metrics
-        self.count[rank] = self.count.get(rank, 0) + 1
+        self.states.setdefault(rank, _RankState()).add(metrics, self.plot_key)
+
+    def lines(self, failures: dict, *, metrics: bool = False) -> list[str]:
+        out = []
+        for rank in sorted(self.states):
+            st = self.states[rank]
+            line = status_line(rank, st, failures.get(rank))
+            if metrics and st.latest:
+                line += "; " + _fmt_metrics(st.latest, sep=" ", eq="=", skip=("step", "total"))
+            out.append(line)
+        return out
+
+    def has_curve(self) -> bool:
+        return any(st.last_point is not None for st in self.states.values())
+
+    # The figure (matplotlib's object API, not pyplot: no global state, no duplicate inline plot).
+    def figure_png(self, failures: dict | None = None, *, final: bool = False, fig: Any = None) -> tuple[bytes, Any]:
+        from matplotlib.figure import Figure
+
+        if fig is None:
+            fig = Figure(figsize=(6.4, 3.0), dpi=90)
+            fig.subplots_adjust(left=0.12, right=0.98, top=0.9, bottom=0.19)
+        fig.clear()
+        ax = fig.add_subplot()
+        failures = failures or {}
+        any_step = False
+        for rank in sorted(self.states):
+            st = self.states[rank]
+            xs, ys = st.points()
+            if not xs:
+                continue
+            any_step = any_step or _is_number(st.step)
+            label = f"rank {rank}: {self.plot_key} {ys[-1]:.4g}"
+            f = failures.get(rank)
+            if f is not None and getattr(f, "kind", "") != "stopped":
+                label += f" (stopped: {_failure_text(f)})"
+            (line,) = ax.plot(xs, ys, lw=1.2, label=label)
+            if f is not None and not _finished_anyway(f):
+                ax.plot(xs[-1:], ys[-1:], "x", ms=9, mew=2, color=line.get_color())
+        ax.set_xlabel("step" if any_step else "report")
+        ax.set_ylabel(self.plot_key)
+        ax.set_title(f"{self.plot_key} per rank" + ("" if final else " (live)"), fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8, loc="upper right")
+            ys_all = [y for st in self.states.values() for y in st.points()[1]]
+            if ys_all and min(ys_all) > 0 and max(ys_all) / min(ys_all) > 50:
+                ax.set_yscale("log")
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue(), fig
+
+
+def _show_png(png: bytes) -> None:
+    from IPython.display import Image, display
+
+    display(Image(data=png, format="png"))
+
+
+class NullDisplay(_Recorder):
+    """Records the reports and shows nothing (``COURSE_DISPLAY=none``)."""
 
     def finish(self, failures: dict) -> None:
-        for rank in range(self.world):
-            m = self.latest.get(rank, {})
-            state = "stopped" if rank in failures else "done"
-            fields = " ".join(f"{k}={_fmt(v)}" for k, v in m.items())
-            print(f"rank {rank}: {state}; last report: {fields or '(none)'}")
+        self.failures = dict(failures)
 
 
-def make_display(world: int) -> Any:
-    """The display used by ``launch`` for ``display="auto"``."""
-    return TextDisplay(world)
+class TextDisplay(_Recorder):
+    """Headless display: nothing while the workers run; at the end one line per rank + a figure.
+
+    The lines depend only on the steps reached and on how each rank ended, so that nbval can
+    compare them.  In a kernel the final figure follows (its legend has the last values); in a
+    terminal the lines carry the last metrics instead and no figure is drawn.
+    """
+
+    def finish(self, failures: dict) -> None:
+        self.failures = dict(failures)
+        kernel = _in_kernel()
+        print("\n".join(self.lines(self.failures, metrics=not kernel)), flush=True)
+        if kernel and self.has_curve():
+            png, _ = self.figure_png(self.failures, final=True)
+            _show_png(png)
+
+
+_GREEN, _RED, _BLUE = "#2e7d32", "#c62828", "#1565c0"
+
+
+class WidgetDisplay(_Recorder):
+    """Live display for JupyterLab: per rank an ``IntProgress`` bar and an ``HTML`` metrics line,
+    and an ``Image`` widget holding the live plot (PNG), all in one ``VBox``.
+
+    The widgets are plain ipywidgets models: their state (``bars[r].value``, ``.max``,
+    ``.bar_style``, ``labels[r].value``, ``plot.value``) can be read from Python, which is how the
+    tests check them.  ``finish`` sets their final state, then replaces the widget output with a
+    static summary and adds the static final figure, and closes the widgets.
+    """
+
+    def __init__(self, world: int, *, plot: str | None = None):
+        super().__init__(world, plot=plot)
+        import ipywidgets as w
+        from IPython.display import display
+
+        self.header = w.HTML(value=f"<b>{world} rank{'s' if world != 1 else ''}</b>: running")
+        # no total yet: the bar stays hidden and the metrics line counts the steps
+        self.bars = [w.IntProgress(value=0, min=0, max=1, layout=w.Layout(width="40%", visibility="hidden"))
+                     for _ in range(world)]
+        self.labels = [w.HTML(value="waiting for the first report") for _ in range(world)]
+        self.plot = w.Image(format="png", layout=w.Layout(display="none", width="600px"))
+        self.names = [w.Label(f"rank {r}", layout=w.Layout(width="4em")) for r in range(world)]
+        self.rows = [w.HBox([n, b, lab]) for n, b, lab in zip(self.names, self.bars, self.labels)]
+        self.box = w.VBox([self.header, *self.rows, self.plot])
+        self.closed = False
+        self._dirty: set[int] = set()
+        self._next_refresh = 0.0
+        self._next_plot = 0.0
+        self._plot_dirty = False
+        self._fig: Any = None
+        self.redraws = 0
+        self._handle = display(self.box, display_id=True)
+
+    def update(self, rank: int, metrics: dict) -> None:
+        super().update(rank, metrics)
+        if self.closed:
+            return
+        self._dirty.add(rank)
+        if self.plot_key in metrics:
+            self._plot_dirty = True
+        now = time.monotonic()
+        if now >= self._next_refresh:
+            self._refresh()
+            self._next_refresh = now + REFRESH_S
+        if self._plot_dirty and now >= self._next_plot:
+            t = time.monotonic()
+            self._redraw(final=False)
+            took = time.monotonic() - t
+            # at most ~4 redraws a second, and drawing never takes more than a quarter of the time
+            self._next_plot = time.monotonic() + max(PLOT_MIN_INTERVAL_S, 3 * took)
+
+    def _refresh(self, failures: dict | None = None) -> None:
+        ranks = range(self.world) if failures is not None else sorted(self._dirty)
+        self._dirty.clear()
+        for rank in ranks:
+            if rank >= self.world:
+                continue
+            st = self.states[rank]
+            bar, label = self.bars[rank], self.labels[rank]
+            if _is_number(st.total) and st.total > 0:
+                bar.max = int(math.ceil(st.total))
+                bar.layout.visibility = "visible"
+            if _is_number(st.step):
+                bar.value = max(0, min(int(st.step), bar.max))
+            text = html.escape(st.where())
+            shown = _fmt_metrics(st.latest, skip=("step", "total"))
+            if failures is None:
+                label.value = f"{text} · {html.escape(shown)}" if shown else text
+                continue
+            f = failures.get(rank)
+            bar.layout.visibility = "visible"
+            if f is None:
+                bar.value = bar.max
+            bar.bar_style = "success" if f is None else "danger"
+            state = html.escape(status_line(rank, st, f).split(": ", 1)[1])
+            label.value = (f"<span style='color:{_GREEN if f is None else _RED}'>{state}</span>"
+                           + (f" · {html.escape(shown)}" if shown else ""))
+
+    def _redraw(self, *, final: bool) -> bytes:
+        png, self._fig = self.figure_png(self.failures, final=final, fig=self._fig)
+        self.plot.value = png
+        self.plot.layout.display = None
+        self._plot_dirty = False
+        self.redraws += 1
+        return png
+
+    def summary_html(self, failures: dict) -> str:
+        rows = []
+        for rank in sorted(self.states):
+            st = self.states[rank]
+            f = failures.get(rank)
+            done = f is None
+            frac = 1.0 if done else (
+                min(1.0, st.step / st.total) if _is_number(st.step) and _is_number(st.total) and st.total > 0
+                else 0.0)
+            color = _GREEN if done else _RED
+            bar = (f"<div style='width:12em;height:0.8em;background:#e0e0e0;display:inline-block'>"
+                   f"<div style='width:{100 * frac:.0f}%;height:100%;background:{color}'></div></div>")
+            line = html.escape(status_line(rank, st, f).split(": ", 1)[1])
+            shown = html.escape(_fmt_metrics(st.latest, skip=("step", "total")))
+            rows.append(f"<tr><td>rank {rank}</td><td>{bar}</td>"
+                        f"<td style='color:{color}'>{line}</td><td>{shown}</td></tr>")
+        return "<table>" + "".join(rows) + "</table>"
+
+    def finish(self, failures: dict) -> None:
+        self.failures = dict(failures)
+        if self.closed:
+            return
+        from IPython.display import display
+
+        self._refresh(self.failures)
+        bad = sorted(r for r, f in self.failures.items() if getattr(f, "kind", "") != "stopped")
+        self.header.value = (f"<b>{self.world} rank{'s' if self.world != 1 else ''}</b>: "
+                             + (f"<span style='color:{_RED}'>rank(s) {', '.join(map(str, bad))} failed</span>"
+                                if bad else ("stopped" if self.failures else "finished")))
+        png = self._redraw(final=True) if self.has_curve() else None
+        text = "\n".join(self.lines(self.failures))
+        if self._handle is not None:
+            self._handle.update({"text/plain": text, "text/html": self.summary_html(self.failures)},
+                                raw=True)
+        else:
+            display({"text/plain": text, "text/html": self.summary_html(self.failures)}, raw=True)
+        if png is not None:
+            _show_png(png)
+        self.closed = True
+        # Free the models in the kernel; their last state stays readable from Python.
+        for wdg in (self.box, self.header, self.plot, *self.rows, *self.names, *self.bars, *self.labels):
+            wdg.close()
