@@ -6,6 +6,8 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 # Parallel test processes (pytest-xdist); the suite is sized for 2 cores.
 JOBS ?= 2
+# Jupyter refuses to run as root (containers, cloud VMs) unless told that it is intended.
+LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab test exercises notebooks doctor bench clean
 
@@ -18,7 +20,7 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 lab: $(BIN)/.installed
-	$(BIN)/jupyter lab --notebook-dir=. notebooks/00_setup.ipynb
+	$(BIN)/jupyter lab $(LAB_FLAGS) --notebook-dir=. notebooks/00_setup.ipynb
 
 test: $(BIN)/.installed
 	$(BIN)/python -m course_utils.exercises --check
