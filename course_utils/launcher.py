@@ -627,6 +627,8 @@ def _handle(r: _Rank, name: str, fd: int, sel, live: "_DisplayHolder") -> None:
             r.result = ("exc", "UnpicklingError", f"could not read rank {r.rank}'s result: {e}", "")
         _unregister(sel, fd)
         return
+    if name == "report":
+        live.pace_report_read(r.rank)
     try:
         data = os.read(fd, 65536)
     except OSError:
@@ -766,6 +768,7 @@ class _DisplayHolder:
     """
 
     BUDGET = 0.5
+    READ_EVERY_S = 0.02
 
     def __init__(self, display: Any, world: int):
         self._spec = display
@@ -775,7 +778,26 @@ class _DisplayHolder:
         self._spent = 0.0
         self._t0 = 0.0
         self._finished = False
+        self._read_after: dict[int, float] = {}
         self.coalesced = 0  # reports replaced by a newer one before the display saw them
+
+    def pace_report_read(self, rank: int) -> None:
+        """Read a rank's reports in batches, at most every ``READ_EVERY_S`` seconds.
+
+        A worker's write into the pipe wakes the launcher, and on a machine whose cores are all
+        training, each wake-up takes a core from a worker for a moment.  Measured on 2 cores with
+        chapter 01's training reporting every step: reading each report as it came, a report()
+        call took about 30 us (a step about 0.5 ms) and the launcher used about 40 us of CPU per
+        report; reading every 20 ms, about 3-12 us and 7 us.  Letting the reports gather costs the
+        display nothing it needs (it redraws a few times a second) and holds other output back
+        by at most ``READ_EVERY_S``.
+        """
+        now = time.monotonic()
+        wait = self._read_after.get(rank, 0.0) - now
+        if wait > 0:
+            time.sleep(wait)
+            now += wait
+        self._read_after[rank] = now + self.READ_EVERY_S
 
     def update(self, rank: int, metrics: dict) -> None:
         if self._spec is None or self._finished:
