@@ -36,7 +36,7 @@ in its legend).  In a terminal the lines also carry the last metrics, and there 
 
 ``widgets``: while the workers run, a progress bar, a metrics line per rank and a live plot
 (redrawn at most ``1 / PLOT_MIN_INTERVAL_S`` times a second, and less often when drawing is slow,
-so that the launcher's loop keeps reading the pipes).  At the end the widgets are replaced, in
+so that the launcher's loop keeps reading the pipes and the workers keep their cores).  At the end the widgets are replaced, in
 place, by a static summary (HTML, with the text lines as its plain-text form) followed by the
 static final figure, so a saved notebook shows the result without a kernel or widget state.
 """
@@ -72,8 +72,9 @@ PLOT_KEY = "loss"
 LOG_EVERY_S = 5.0
 #: Widget display: the bars and metric lines are refreshed at most this often...
 REFRESH_S = 0.2
-#: ...and the live plot at most this often (and never more than 1/4 of the time goes to drawing).
-PLOT_MIN_INTERVAL_S = 0.25
+#: ...and the live plot at most this often (and less often when drawing is slow: at most 1/9 of
+#: the time goes to drawing, since the notebook's process shares the cores with the workers).
+PLOT_MIN_INTERVAL_S = 0.4
 #: Points kept per rank for the curve; beyond that every other point is dropped (the shape stays).
 MAX_POINTS = 4000
 
@@ -366,42 +367,73 @@ class _Recorder:
     def has_curve(self) -> bool:
         return any(st.last_point is not None for st in self.states.values())
 
-    # The figure (matplotlib's object API, not pyplot: no global state, no duplicate inline plot).
-    def figure_png(self, failures: dict | None = None, *, final: bool = False, fig: Any = None) -> tuple[bytes, Any]:
+    # The figures use matplotlib's object API, not pyplot: no global state, no inline duplicate.
+    def _new_axes(self) -> tuple[Any, Any]:
         from matplotlib.figure import Figure
 
-        if fig is None:
-            fig = Figure(figsize=(6.4, 3.0), dpi=90)
-            fig.subplots_adjust(left=0.12, right=0.98, top=0.9, bottom=0.19)
-        fig.clear()
+        fig = Figure(figsize=(6.4, 3.0), dpi=90)
+        fig.subplots_adjust(left=0.12, right=0.98, top=0.9, bottom=0.19)
         ax = fig.add_subplot()
+        ax.set_ylabel(self.plot_key)
+        ax.grid(alpha=0.3)
+        return fig, ax
+
+    def _set_scale(self, ax: Any, curves: list[tuple[list, list]]) -> None:
+        xs_any = any(_is_number(st.step) for st in self.states.values())
+        ax.set_xlabel("step" if xs_any else "report")
+        lo = min((min(ys) for _, ys in curves if ys), default=0.0)
+        hi = max((max(ys) for _, ys in curves if ys), default=0.0)
+        ax.set_yscale("log" if lo > 0 and hi / lo > 50 else "linear")
+
+    def figure_png(self, failures: dict | None = None) -> bytes:
+        """The final figure: one curve per rank, last values in the legend, x where a rank stopped."""
+        fig, ax = self._new_axes()
         failures = failures or {}
-        any_step = False
+        curves = []
         for rank in sorted(self.states):
-            st = self.states[rank]
-            xs, ys = st.points()
+            xs, ys = self.states[rank].points()
             if not xs:
                 continue
-            any_step = any_step or _is_number(st.step)
+            curves.append((xs, ys))
             label = f"rank {rank}: {self.plot_key} {ys[-1]:.4g}"
             f = failures.get(rank)
-            if f is not None and getattr(f, "kind", "") != "stopped":
+            if f is not None and not _finished_anyway(f):
                 label += f" (stopped: {_failure_text(f)})"
             (line,) = ax.plot(xs, ys, lw=1.2, label=label)
             if f is not None and not _finished_anyway(f):
                 ax.plot(xs[-1:], ys[-1:], "x", ms=9, mew=2, color=line.get_color())
-        ax.set_xlabel("step" if any_step else "report")
-        ax.set_ylabel(self.plot_key)
-        ax.set_title(f"{self.plot_key} per rank" + ("" if final else " (live)"), fontsize=10)
-        ax.grid(alpha=0.3)
-        if ax.lines:
+        ax.set_title(f"{self.plot_key} per rank", fontsize=10)
+        self._set_scale(ax, curves)
+        if curves:
             ax.legend(fontsize=8, loc="upper right")
-            ys_all = [y for st in self.states.values() for y in st.points()[1]]
-            if ys_all and min(ys_all) > 0 and max(ys_all) / min(ys_all) > 50:
-                ax.set_yscale("log")
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
-        return buf.getvalue(), fig
+        return buf.getvalue()
+
+    def live_png(self) -> bytes:
+        """The live figure, redrawn in place: the same axes and lines get new data each time."""
+        live = getattr(self, "_live", None)
+        if live is None:
+            fig, ax = self._new_axes()
+            ax.set_title(f"{self.plot_key} per rank (live)", fontsize=10)
+            live = self._live = {"fig": fig, "ax": ax, "lines": {}}
+        ax, lines = live["ax"], live["lines"]
+        curves = []
+        for rank in sorted(self.states):
+            xs, ys = self.states[rank].points()
+            if not xs:
+                continue
+            curves.append((xs, ys))
+            if rank not in lines:
+                (lines[rank],) = ax.plot([], [], lw=1.2, label=f"rank {rank}")
+                ax.legend(fontsize=8, loc="upper right")
+            lines[rank].set_data(xs, ys)
+        self._set_scale(ax, curves)
+        ax.relim()
+        ax.autoscale_view()
+        buf = io.BytesIO()
+        live["fig"].savefig(buf, format="png")
+        return buf.getvalue()
 
 
 def _show_png(png: bytes) -> None:
@@ -430,8 +462,7 @@ class TextDisplay(_Recorder):
         kernel = _in_kernel()
         print("\n".join(self.lines(self.failures, metrics=not kernel)), flush=True)
         if kernel and self.has_curve():
-            png, _ = self.figure_png(self.failures, final=True)
-            _show_png(png)
+            _show_png(self.figure_png(self.failures))
 
 
 _GREEN, _RED, _BLUE = "#2e7d32", "#c62828", "#1565c0"
@@ -466,7 +497,6 @@ class WidgetDisplay(_Recorder):
         self._next_refresh = 0.0
         self._next_plot = 0.0
         self._plot_dirty = False
-        self._fig: Any = None
         self.redraws = 0
         self._handle = display(self.box, display_id=True)
 
@@ -485,8 +515,9 @@ class WidgetDisplay(_Recorder):
             t = time.monotonic()
             self._redraw(final=False)
             took = time.monotonic() - t
-            # at most ~4 redraws a second, and drawing never takes more than a quarter of the time
-            self._next_plot = time.monotonic() + max(PLOT_MIN_INTERVAL_S, 3 * took)
+            # at most 1 / PLOT_MIN_INTERVAL_S redraws a second, and drawing takes at most 1/9 of
+            # the time: the launching process shares the cores with the workers
+            self._next_plot = time.monotonic() + max(PLOT_MIN_INTERVAL_S, 8 * took)
 
     def _refresh(self, failures: dict | None = None) -> None:
         ranks = range(self.world) if failures is not None else sorted(self._dirty)
@@ -516,7 +547,7 @@ class WidgetDisplay(_Recorder):
                            + (f" · {html.escape(shown)}" if shown else ""))
 
     def _redraw(self, *, final: bool) -> bytes:
-        png, self._fig = self.figure_png(self.failures, final=final, fig=self._fig)
+        png = self.figure_png(self.failures) if final else self.live_png()
         self.plot.value = png
         self.plot.layout.display = None
         self._plot_dirty = False
