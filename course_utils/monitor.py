@@ -383,7 +383,9 @@ class _Recorder:
         ax.set_xlabel("step" if xs_any else "report")
         lo = min((min(ys) for _, ys in curves if ys), default=0.0)
         hi = max((max(ys) for _, ys in curves if ys), default=0.0)
-        ax.set_yscale("log" if lo > 0 and hi / lo > 50 else "linear")
+        scale = "log" if lo > 0 and hi / lo > 50 else "linear"
+        if ax.get_yscale() != scale:
+            ax.set_yscale(scale)
 
     def figure_png(self, failures: dict | None = None) -> bytes:
         """The final figure: one curve per rank, last values in the legend, x where a rank stopped."""
@@ -465,7 +467,7 @@ class TextDisplay(_Recorder):
             _show_png(self.figure_png(self.failures))
 
 
-_GREEN, _RED, _BLUE = "#2e7d32", "#c62828", "#1565c0"
+_GREEN, _RED = "#2e7d32", "#c62828"
 
 
 class WidgetDisplay(_Recorder):
