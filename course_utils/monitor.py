@@ -72,9 +72,11 @@ PLOT_KEY = "loss"
 LOG_EVERY_S = 5.0
 #: Widget display: the bars and metric lines are refreshed at most this often...
 REFRESH_S = 0.2
-#: ...and the live plot at most this often (and less often when drawing is slow: at most 1/9 of
-#: the time goes to drawing, since the notebook's process shares the cores with the workers).
-PLOT_MIN_INTERVAL_S = 0.4
+#: ...and the live plot at most this often, less often when drawing is slow (at most 1/11 of the
+#: time goes to drawing: the notebook's process shares the cores with the workers), and not at
+#: all in the first ``PLOT_FIRST_S`` seconds (a short run only gets its final figure).
+PLOT_MIN_INTERVAL_S = 0.5
+PLOT_FIRST_S = 1.0
 #: Points kept per rank for the curve; beyond that every other point is dropped (the shape stays).
 MAX_POINTS = 4000
 
@@ -497,9 +499,9 @@ class WidgetDisplay(_Recorder):
         self.closed = False
         self._dirty: set[int] = set()
         self._next_refresh = 0.0
-        self._next_plot = 0.0
+        self._next_plot = time.monotonic() + PLOT_FIRST_S
         self._plot_dirty = False
-        self.redraws = 0
+        self.redraws = 0  # live plot redraws (the final figure not counted)
         self._handle = display(self.box, display_id=True)
 
     def update(self, rank: int, metrics: dict) -> None:
@@ -517,9 +519,9 @@ class WidgetDisplay(_Recorder):
             t = time.monotonic()
             self._redraw(final=False)
             took = time.monotonic() - t
-            # at most 1 / PLOT_MIN_INTERVAL_S redraws a second, and drawing takes at most 1/9 of
+            # at most 1 / PLOT_MIN_INTERVAL_S redraws a second, and drawing takes at most 1/11 of
             # the time: the launching process shares the cores with the workers
-            self._next_plot = time.monotonic() + max(PLOT_MIN_INTERVAL_S, 8 * took)
+            self._next_plot = time.monotonic() + max(PLOT_MIN_INTERVAL_S, 10 * took)
 
     def _refresh(self, failures: dict | None = None) -> None:
         ranks = range(self.world) if failures is not None else sorted(self._dirty)
@@ -553,7 +555,7 @@ class WidgetDisplay(_Recorder):
         self.plot.value = png
         self.plot.layout.display = None
         self._plot_dirty = False
-        self.redraws += 1
+        self.redraws += not final
         return png
 
     def summary_html(self, failures: dict) -> str:

@@ -366,15 +366,20 @@ def test_widget_display_state_after_a_run(capsys):
     assert "stopped at step 37/50: raised RuntimeError" in disp.labels[1].value
     assert "samples_per_s 1000" in disp.labels[1].value
     assert "rank(s) 1 failed" in disp.header.value
-    assert disp.plot.value[:8] == PNG_MAGIC and disp.redraws >= 1
+    assert disp.plot.value[:8] == PNG_MAGIC  # the final figure
     assert disp.closed and bar0.comm is None  # the widget models were released
 
 
-def test_widget_display_while_running_without_total():
+def test_widget_display_while_running_without_total(monkeypatch):
+    monkeypatch.setattr(monitor, "PLOT_FIRST_S", 0.0)
     disp = monitor.WidgetDisplay(1)
     disp.update(0, {"step": 5, "loss": 0.5, "phase": "warm-up"})
     assert disp.bars[0].layout.visibility == "hidden"  # no total: a step counter, no bar
     assert disp.labels[0].value == "step 5 · loss 0.5 · phase warm-up"
+    assert disp.plot.value[:8] == PNG_MAGIC and disp.plot.layout.display is None
+    first = disp.plot.value
+    disp.update(0, {"step": 6, "loss": 0.45})
+    assert disp.redraws == 1 and disp.plot.value == first  # redraws are throttled
     disp.update(0, {"step": 6, "total": 10, "loss": 0.4})
     disp._refresh()
     assert (disp.bars[0].value, disp.bars[0].max, disp.bars[0].layout.visibility) == (6, 10, "visible")
