@@ -1,0 +1,150 @@
+"""Chapter 04.a: data-parallel training with a hand-written gradient all-reduce.
+
+The checker runs the function in real gloo workers on 2 and 3 ranks, next to torch DDP; it must
+accept a right answer and name each usual mistake.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_utils.checking import CheckFailed
+from course_utils.checks import check_hand_allreduce
+
+# Ship this module's functions to the workers by value: no import path needed there.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _broadcast(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.broadcast(p, src=0)
+
+
+def right(model, batches, lr):
+    world = dist.get_world_size()
+    _broadcast(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+    return model
+
+
+def sums_instead_of_averaging(model, batches, lr):
+    _broadcast(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+    return model
+
+
+def no_initial_broadcast(model, batches, lr):
+    world = dist.get_world_size()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+    return model
+
+
+def all_reduce_before_backward(model, batches, lr):
+    world = dist.get_world_size()
+    _broadcast(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        for p in model.parameters():
+            if p.grad is not None:  # zero_grad() set them to None: nothing is ever sent
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def weights_only(model, batches, lr):
+    world = dist.get_world_size()
+    _broadcast(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for name, p in model.named_parameters():
+            if name.endswith("weight"):
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+    return model
+
+
+def forgets_return(model, batches, lr):
+    right(model, batches, lr)
+
+
+def rank0_only(model, batches, lr):
+    world = dist.get_world_size()
+    _broadcast(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if dist.get_rank() == 0:  # the other ranks never join: rank 0 waits forever
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+    return model
+
+
+def test_accepts_right_answer(capsys):
+    check_hand_allreduce(right)
+    assert "[PASS] 04.a hand-written all-reduce" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (sums_instead_of_averaging, r"SUM of the gradients .* did not divide by the world size \(2\)"),
+    (no_initial_broadcast, r"Usual mistake: not broadcasting the initial weights"),
+    (all_reduce_before_backward, r"its gradients were never all-reduced"),
+    (weights_only, r"(?s)net\.0\.bias .*DIFFERENT.*all-reducing only some parameters"),
+    (forgets_return, r"returned None on rank 0; expected the trained model"),
+])
+def test_rejects_usual_mistakes(wrong, message):
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_hand_allreduce(wrong)
+    assert info.value.args[0].startswith("[04.a hand-written all-reduce]")
+
+
+def test_a_collective_on_rank_0_only_fails_instead_of_hanging():
+    # Rank 1 finishes and leaves while rank 0 waits in all_reduce; if rank 1 could not leave, the
+    # launch timeout would end it with the same advice.
+    with pytest.raises(CheckFailed, match=r"did not call the same collectives.*inside `if rank == 0:`"):
+        check_hand_allreduce(rank0_only, world_sizes=(2,), timeout=20)
+
+
+def test_stub_and_non_callable():
+    def stub(model, batches, lr):
+        raise NotImplementedError("Exercise 04.a hand-written all-reduce: replace this line")
+
+    with pytest.raises(CheckFailed, match=r"not done yet"):
+        check_hand_allreduce(stub)
+    with pytest.raises(CheckFailed, match=r"got None"):
+        check_hand_allreduce(None)
