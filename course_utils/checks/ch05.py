@@ -1,0 +1,210 @@
+"""Checkers of chapter 05 (distributed data loading).
+
+- ``check_bucket_sampler(BucketBatchSampler)``: a distributed-aware length-bucketing batch sampler.
+  ``BucketBatchSampler(lengths, batch_size, num_replicas=None, rank=None, seed=0)`` with
+  ``set_epoch(epoch)``, ``__iter__`` (lists of indices) and ``__len__``.  Checked on several world
+  sizes and epochs, in this process (one sampler object per simulated rank) and in real worker
+  processes (``num_replicas`` and ``rank`` left out, so read from the process group): batches of
+  exactly ``batch_size`` indices, disjoint across ranks, covering the data set but for fewer than
+  one round of batches, reshuffled every epoch identically on every rank, the same number of
+  batches on every rank, ``len()`` telling the truth, and little padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..checking import CheckFailed, checker, require_callable
+
+__all__ = ["check_bucket_sampler", "padding_waste"]
+
+_N, _BATCH, _EPOCHS, _WORLDS = 1500, 16, 3, (2, 3)
+_MAX_WASTE = 0.20
+
+
+def padding_waste(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -> float:
+    """Share of the padded batch tensors that is padding: 1 - real tokens / (batch x longest)."""
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches if len(b))
+    real = sum(lengths[i] for b in batches for i in b)
+    return 1.0 - real / padded if padded else 0.0
+
+
+def _random_waste(lengths: Sequence[int], batch_size: int) -> float:
+    import torch
+
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0)).tolist()
+    batches = [order[i:i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
+    return padding_waste(batches, lengths)
+
+
+def _epoch_batches(cls: Any, lengths: list[int], world: int, epoch: int, **kw: Any) -> list[list[list[int]]]:
+    """The batches each simulated rank yields in ``epoch`` (fresh sampler objects)."""
+    per_rank = []
+    for rank in range(world):
+        sampler = cls(lengths, _BATCH, num_replicas=world, rank=rank, **kw)
+        if not hasattr(sampler, "set_epoch"):
+            raise CheckFailed("the sampler has no set_epoch(epoch) method; DistributedSampler has "
+                              "one, and the training loop calls it at the start of every epoch")
+        sampler.set_epoch(epoch)
+        per_rank.append(_as_batches(iter(sampler), rank))
+        n = _len(sampler, rank)
+        if n != len(per_rank[-1]):
+            raise CheckFailed(f"rank {rank} of {world}, epoch {epoch}: len(sampler) is {n} but "
+                              f"iterating yields {len(per_rank[-1])} batches; DataLoader and "
+                              "progress bars rely on len()")
+    return per_rank
+
+
+def _len(sampler: Any, rank: int) -> int:
+    try:
+        n = len(sampler)
+    except TypeError as e:
+        raise CheckFailed(f"len(sampler) failed on rank {rank}: {e}; define __len__") from None
+    return n
+
+
+def _as_batches(it: Any, rank: int) -> list[list[int]]:
+    out = []
+    for b in it:
+        if isinstance(b, int) or not hasattr(b, "__iter__"):
+            raise CheckFailed(f"rank {rank}: the sampler yielded {b!r}, a single index; a batch "
+                              "sampler yields lists of indices, one list per batch")
+        batch = list(b)
+        for i in batch:
+            if not isinstance(i, int) or isinstance(i, bool):
+                raise CheckFailed(f"rank {rank}: a batch holds {type(i).__name__} {i!r}; expected "
+                                  "Python ints (use .tolist() on tensors)")
+        out.append(batch)
+    return out
+
+
+def _judge_epoch(per_rank: list[list[list[int]]], world: int, epoch: int, n: int) -> None:
+    where = f"world size {world}, epoch {epoch}"
+    sets = [set(i for b in batches for i in b) for batches in per_rank]
+    if world > 1 and all(s == sets[0] for s in sets[1:]):
+        raise CheckFailed(
+            f"{where}: every rank yielded the same samples, so each rank trains on the whole data "
+            "set and the world does the same work N times. The sampler is not distributed-aware "
+            "(like the article's LengthAwareSampler): after forming the batches, give rank r only "
+            "its share of them.")
+    for rank, batches in enumerate(per_rank):
+        for b in batches:
+            if len(b) != _BATCH:
+                raise CheckFailed(f"{where}: rank {rank} yielded a batch of {len(b)} indices; every "
+                                  f"batch must hold exactly batch_size={_BATCH} (drop the incomplete "
+                                  "last batch, as drop_last=True does)")
+            bad = [i for i in b if not 0 <= i < n]
+            if bad:
+                raise CheckFailed(f"{where}: rank {rank} yielded index {bad[0]}, outside 0..{n - 1}")
+    for rank, batches in enumerate(per_rank):
+        flat = [i for b in batches for i in b]
+        if len(flat) != len(set(flat)):
+            raise CheckFailed(f"{where}: rank {rank} yields some samples twice within one epoch")
+    counts = [len(b) for b in per_rank]
+    for r in range(world):
+        for s in range(r + 1, world):
+            common = sets[r] & sets[s]
+            if common:
+                raise CheckFailed(
+                    f"{where}: ranks {r} and {s} share {len(common)} samples (e.g. {sorted(common)[:3]}). "
+                    "Usual mistake: the ranks shuffled differently (a seed that depends on the rank, "
+                    "or Python's global random): every rank must build the same global list of "
+                    "batches from the same generator, torch.Generator().manual_seed(seed + epoch), "
+                    "and then take its own share.")
+    if len(set(counts)) > 1:
+        raise CheckFailed(
+            f"{where}: the ranks get different numbers of batches ({', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))}). "
+            "The ranks with fewer batches finish the epoch first, and the others wait forever in "
+            "their next gradient all-reduce. Drop the last few batches so that their number is a "
+            "multiple of num_replicas (or pad, as DistributedSampler does).")
+    covered = len(set().union(*sets))
+    dropped = n - covered
+    if dropped >= world * _BATCH:
+        raise CheckFailed(
+            f"{where}: only {covered} of {n} samples appear in this epoch ({dropped} dropped); "
+            f"dropping is fine only to complete a round, fewer than num_replicas x batch_size = "
+            f"{world * _BATCH} samples. Usual mistake: dropping an incomplete batch in every bucket "
+            "instead of once.")
+
+
+@checker("05.a bucket sampler")
+def check_bucket_sampler(BucketBatchSampler: Any, *, timeout: float = 120.0) -> None:
+    """Check a distributed length-bucketing batch sampler class (see the module docstring)."""
+    from ..data import make_sequences
+
+    require_callable(BucketBatchSampler, "the class BucketBatchSampler(lengths, batch_size, num_replicas, rank, seed)")
+    lengths = list(make_sequences(_N, seed=1).lengths)
+    for world in _WORLDS:
+        epochs = [_epoch_batches(BucketBatchSampler, lengths, world, e) for e in range(_EPOCHS)]
+        for e, per_rank in enumerate(epochs):
+            _judge_epoch(per_rank, world, e, len(lengths))
+        # Reshuffled every epoch.
+        if epochs[1][0] == epochs[0][0]:
+            raise CheckFailed(
+                f"world size {world}: rank 0 yields exactly the same batches in epoch 0 and epoch 1: "
+                "set_epoch has no effect. Seed the shuffle with seed + epoch (as DistributedSampler "
+                "does), or every epoch repeats the first one.")
+        # Deterministic: a second object with the same arguments agrees (as another process would).
+        again = _epoch_batches(BucketBatchSampler, lengths, world, 1)
+        if again != epochs[1]:
+            raise CheckFailed(
+                f"world size {world}: two samplers built with the same seed yield different batches "
+                "for the same epoch. Processes can only agree on a shuffle they compute from the same "
+                "seed: use torch.Generator().manual_seed(seed + epoch), not the global `random` or "
+                "torch RNG.")
+        # A different seed gives a different shuffle.
+        other = _epoch_batches(BucketBatchSampler, lengths, world, 1, seed=1)
+        if other == epochs[1]:
+            raise CheckFailed(f"world size {world}: seed=1 and seed=0 give the same batches; use the "
+                              "seed argument in the generator")
+        waste = padding_waste([b for per_rank in epochs[0] for b in per_rank], lengths)
+        random_waste = _random_waste(lengths, _BATCH)
+        if waste > _MAX_WASTE:
+            raise CheckFailed(
+                f"world size {world}: {100 * waste:.0f}% of the padded batches is padding (random "
+                f"batching: {100 * random_waste:.0f}%; required: at most {100 * _MAX_WASTE:.0f}%). "
+                "Group samples of similar length: shuffle, cut into buckets of many batches, sort "
+                "each bucket by length, then cut it into batches.")
+    _check_in_workers(BucketBatchSampler, lengths, timeout)
+    print(f"BucketBatchSampler: disjoint, equal-length shards on {' and '.join(map(str, _WORLDS))} "
+          f"ranks, reshuffled each epoch, padding {100 * waste:.0f}% (random batching "
+          f"{100 * random_waste:.0f}%), agreed across real processes")
+
+
+def _worker(cls_bytes: bytes, lengths: list[int]) -> Any:
+    import cloudpickle
+    import torch.distributed as dist
+
+    from .. import backend_and_device
+
+    backend, _ = backend_and_device(announce=False)
+    dist.init_process_group(backend)
+    try:
+        cls = cloudpickle.loads(cls_bytes)
+        sampler = cls(lengths, _BATCH)  # num_replicas and rank from the process group
+        sampler.set_epoch(2)
+        return [list(map(int, b)) for b in sampler]
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_in_workers(cls: Any, lengths: list[int], timeout: float) -> None:
+    import cloudpickle
+
+    from ..launcher import WorkerTimeout, launch
+
+    try:
+        payload = cloudpickle.dumps(cls)
+    except Exception as e:
+        raise CheckFailed(f"the sampler class cannot be sent to worker processes: {e}") from None
+    world = 2
+    try:
+        per_rank = launch(_worker, world, args=(payload, lengths), timeout=timeout)
+    except WorkerTimeout:
+        raise CheckFailed(f"the sampler did not finish within {timeout:g} s in worker processes") from None
+    if set(map(tuple, per_rank[0])) == set(map(tuple, per_rank[1])):
+        raise CheckFailed(
+            "in 2 real worker processes, with num_replicas and rank left out, both ranks got the same "
+            "batches: when they are None, read them from the process group (dist.get_world_size(), "
+            "dist.get_rank()), as DistributedSampler does.")
+    _judge_epoch(per_rank, world, 2, len(lengths))

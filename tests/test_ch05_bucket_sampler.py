@@ -1,0 +1,179 @@
+"""Chapter 05.a: a distributed-aware length-bucketing batch sampler.
+
+The checker must accept a right answer and name each usual mistake.  Each wrong answer below is a
+small sampler with one typical fault.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_utils.checking import CheckFailed
+from course_utils.checks import check_bucket_sampler
+from course_utils.checks.ch05 import padding_waste
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need no import path
+
+
+class Right:
+    """Shuffle with seed + epoch, sort buckets of many steps, give rank r its slice of each step."""
+
+    bucket_steps = 16
+
+    def __init__(self, lengths, batch_size, num_replicas=None, rank=None, seed=0):
+        self.lengths, self.batch_size, self.seed, self.epoch = list(lengths), batch_size, seed, 0
+        self.num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+        self.rank = dist.get_rank() if rank is None else rank
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def generator(self):
+        return torch.Generator().manual_seed(self.seed + self.epoch)
+
+    def steps(self):
+        g = self.generator()
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        step = self.batch_size * self.num_replicas
+        bucket = step * self.bucket_steps
+        groups = []
+        for start in range(0, len(order), bucket):
+            chunk = sorted(order[start:start + bucket], key=self.lengths.__getitem__)
+            groups += [chunk[i:i + step] for i in range(0, len(chunk) - step + 1, step)]
+        return [groups[k] for k in torch.randperm(len(groups), generator=g).tolist()]
+
+    def __iter__(self):
+        b = self.batch_size
+        for group in self.steps():
+            yield group[self.rank * b:(self.rank + 1) * b]
+
+    def __len__(self):
+        return len(self.steps())
+
+
+class ArticleSampler(Right):
+    """The article's LengthAwareSampler: sort, batch, shuffle the batches; every rank the same."""
+
+    def __iter__(self):
+        indices = sorted(range(len(self.lengths)), key=self.lengths.__getitem__)
+        b = self.batch_size
+        batches = [indices[i:i + b] for i in range(0, len(indices) - b + 1, b)]
+        random.shuffle(batches)
+        yield from batches
+
+    def __len__(self):
+        return len(self.lengths) // self.batch_size
+
+
+class ForgetsEpoch(Right):
+    def generator(self):
+        return torch.Generator().manual_seed(self.seed)  # set_epoch is stored, never used
+
+
+class SeedPerRank(Right):
+    def generator(self):
+        return torch.Generator().manual_seed(self.seed + self.epoch + 1000 * self.rank)
+
+
+class UnevenBatches(Right):
+    """Bucketed batches dealt out batches[r::N] without trimming: some ranks get one batch more."""
+
+    def batches(self):
+        g = self.generator()
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        b, bucket = self.batch_size, self.batch_size * 64
+        batches = []
+        for start in range(0, len(order), bucket):
+            chunk = sorted(order[start:start + bucket], key=self.lengths.__getitem__)
+            batches += [chunk[i:i + b] for i in range(0, len(chunk) - b + 1, b)]
+        return [batches[k] for k in torch.randperm(len(batches), generator=g).tolist()]
+
+    def __iter__(self):
+        yield from self.batches()[self.rank::self.num_replicas]
+
+    def __len__(self):
+        return len(self.batches()[self.rank::self.num_replicas])
+
+
+class NoBucketing(Right):
+    bucket_steps = 1  # sorting within a single step changes nothing: random batches
+
+    def steps(self):
+        g = self.generator()
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        step = self.batch_size * self.num_replicas
+        return [order[i:i + step] for i in range(0, len(order) - step + 1, step)]
+
+
+class DropsPerBucket(Right):
+    """Buckets of bucket_steps batches (not steps): an incomplete step is lost in every bucket."""
+
+    def steps(self):
+        g = self.generator()
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        step = self.batch_size * self.num_replicas
+        bucket = self.batch_size * 5
+        groups = []
+        for start in range(0, len(order), bucket):
+            chunk = sorted(order[start:start + bucket], key=self.lengths.__getitem__)
+            groups += [chunk[i:i + step] for i in range(0, len(chunk) - step + 1, step)]
+        return [groups[k] for k in torch.randperm(len(groups), generator=g).tolist()]
+
+
+class GlobalRandom(Right):
+    def generator(self):
+        return torch.Generator().manual_seed(random.randrange(2**31))  # a different draw each time
+
+
+class IgnoresProcessGroup(Right):
+    def __init__(self, lengths, batch_size, num_replicas=None, rank=None, seed=0):
+        super().__init__(lengths, batch_size, num_replicas or 1, rank or 0, seed)
+
+
+class LenCountsAllRanks(Right):
+    def __len__(self):
+        return len(self.steps()) * self.num_replicas
+
+
+def test_accepts_right_answer(capsys):
+    check_bucket_sampler(Right)
+    out = capsys.readouterr().out
+    assert "[PASS] 05.a bucket sampler" in out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (ArticleSampler, r"every rank yielded the same samples.*not distributed-aware"),
+    (ForgetsEpoch, r"same batches in epoch 0 and epoch 1: set_epoch has no effect"),
+    (SeedPerRank, r"ranks 0 and 1 share \d+ samples.*a seed that depends on the rank"),
+    (UnevenBatches, r"different numbers of batches \(rank 0: \d+, rank 1: \d+\).*wait forever"),
+    (NoBucketing, r"\d+% of the padded batches is padding \(random batching: \d+%; required: at most 20%\)"),
+    (DropsPerBucket, r"only \d+ of 1500 samples appear.*dropping an incomplete batch in every bucket"),
+    (GlobalRandom, r"ranks 0 and 1 share \d+ samples.*Python's global random"),
+    (IgnoresProcessGroup, r"with num_replicas and rank left out, both ranks got the same batches"),
+    (LenCountsAllRanks, r"len\(sampler\) is \d+ but iterating yields \d+ batches"),
+])
+def test_rejects_usual_mistakes(wrong, message):
+    with pytest.raises(CheckFailed, match="(?s)" + message) as info:
+        check_bucket_sampler(wrong)
+    assert info.value.args[0].startswith("[05.a bucket sampler]")
+
+
+def test_padding_waste_counts_padding():
+    lengths = [1, 3, 2, 2]
+    assert padding_waste([[0, 1]], lengths) == pytest.approx(1 - 4 / 6)
+    assert padding_waste([[2, 3]], lengths) == 0.0
+
+
+def test_stub_is_not_done():
+    class Stub(Right):
+        def __iter__(self):
+            raise NotImplementedError("Exercise 05.a bucket sampler: replace this line")
+
+    with pytest.raises(CheckFailed, match=r"not done yet"):
+        check_bucket_sampler(Stub)
