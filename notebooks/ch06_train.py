@@ -1,0 +1,206 @@
+"""Chapter 04's DDP training loop grown into a script for real clusters.
+
+What it adds to ch04_train.py: argument parsing for everything a job needs, logging from rank 0
+only, checkpoints every few *steps* (so a crash mid-epoch loses little) written atomically and
+read with ``weights_only=True``, ``@record`` so that torchrun reports the root cause of a failure,
+and two switches for the lessons: ``--show-env`` (every worker prints what the launcher gave it)
+and ``--crash-at-step`` (one worker fails on purpose, in the first attempt only).
+
+The same file runs unchanged:
+
+    python ch06_train.py                                               # one process
+    python -m torch.distributed.run --standalone --nproc_per_node=2 ch06_train.py
+    python -m torch.distributed.run --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d \\
+        --rdzv_endpoint=HOST:PORT --rdzv_id=JOB ch06_train.py             # on every node
+    course_utils.launch(ch06_train.main, 2, args=(["--steps", "30"],))  # from a notebook
+"""
+
+import argparse
+import contextlib
+import datetime
+import gc
+import itertools
+import json
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+
+import course_utils
+from course_utils.data import make_dataset, make_model
+
+# What a launcher tells each worker (torchrun sets them all; see the chapter's table).
+ENV_KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps in total")
+    p.add_argument("--batch-size", type=int, default=32, help="per process")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--samples", type=int, default=2048, help="training samples (plus 512 held out)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt", default="", help="checkpoint file; resume from it when it exists")
+    p.add_argument("--save-every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--out", default="", help="rank 0 saves the final model's state_dict here")
+    p.add_argument("--log-every", type=int, default=10, help="steps between log lines")
+    p.add_argument("--timeout", type=float, default=60.0, help="process group timeout, seconds")
+    p.add_argument("--show-env", action="store_true", help="every worker prints its environment")
+    p.add_argument("--crash-at-step", type=int, default=-1,
+                   help="one worker raises at this step in the first attempt (restart count 0)")
+    p.add_argument("--crash-rank", type=int, default=-1, help="which rank crashes (-1: the last)")
+    return p.parse_args(argv)
+
+
+def log(*args):
+    """Print from global rank 0 only: one line per event instead of one per process."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("[train]", *args, flush=True)
+
+
+def setup(timeout):
+    """Bind the device from LOCAL_RANK first, then join the group (env:// from the launcher)."""
+    if "RANK" not in os.environ:  # plain `python ch06_train.py`: train alone
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu"), False
+    backend, device = course_utils.backend_and_device(announce=False)  # set_device(LOCAL_RANK)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return device, True
+
+
+def show_env():
+    """One JSON line per worker: what the launcher told it, and where it runs."""
+    info = {k: os.environ.get(k) for k in ENV_KEYS}
+    info.update(host=socket.gethostname(), pid=os.getpid(), torch=torch.__version__)
+    print("ENV " + json.dumps(info), flush=True)
+
+
+def save_checkpoint(path, model, optimizer, step):
+    """Write the checkpoint so that a crash at any moment leaves the previous one intact.
+
+    The bytes go to a temporary file in the same directory (same file system, so the rename
+    cannot turn into a copy), are forced to disk, and only then replace ``path`` with
+    ``os.replace``, which is atomic: a reader sees the old file or the new one, never half.
+    """
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def load_checkpoint(path, model, optimizer, device):
+    """Read tensors and plain containers only (``weights_only=True`` runs no pickled code)."""
+    state = torch.load(path, map_location=device, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+@torch.no_grad()
+def evaluate(model, x, y, device, rank, world):
+    """Held-out accuracy: each rank scores every world-th sample, then one all_reduce."""
+    model.eval()
+    x, y = x[rank::world], y[rank::world]
+    counts = torch.stack([(model(x.to(device)).argmax(1) == y.to(device)).sum().float(),
+                          torch.tensor(float(len(y)), device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+def train(args):
+    if args.show_env:
+        show_env()  # before joining the group: shows what a worker got even if joining fails
+    device, distributed = setup(args.timeout)
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    full = make_dataset(args.samples + 512, seed=args.seed)  # the same data on every rank
+    train_set = Subset(full, range(args.samples))
+    x_val, y_val = (t[args.samples:] for t in full.tensors)
+    model = make_model(seed=args.seed).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    step = 0
+    if args.ckpt and os.path.exists(args.ckpt):
+        step = load_checkpoint(args.ckpt, model, optimizer, device)
+        log(f"attempt {attempt}: resumed from {os.path.basename(args.ckpt)} at step {step}")
+    if distributed:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    plain = model.module if distributed else model
+
+    sampler = (DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
+               if distributed else None)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                        shuffle=False, drop_last=True, pin_memory=device.type == "cuda")
+    per_epoch = len(loader)
+    log(f"attempt {attempt}: world size {world}, global batch {args.batch_size * world}, "
+        f"{per_epoch} steps per epoch, device {device}")
+    crash_rank = world - 1 if args.crash_rank < 0 else args.crash_rank
+
+    while step < args.steps:
+        # The data order depends on the step alone: a resumed run reads exactly the batches
+        # that the lost attempt would have read (set_epoch, then skip the finished ones).
+        epoch, done = divmod(step, per_epoch)
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for x, y in itertools.islice(loader, done, None):
+            if step >= args.steps:
+                break
+            if step == args.crash_at_step and attempt == 0 and rank == crash_rank:
+                raise RuntimeError(f"simulated failure on rank {rank} at step {step}")
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()  # DDP averages the gradients across all ranks of all nodes
+            optimizer.step()
+            step += 1
+            course_utils.report(step=step, loss=loss.item())
+            if args.log_every and step % args.log_every == 0:
+                log(f"step {step:3d}  loss on rank 0 {loss.item():.4f}")
+            if args.ckpt and step % args.save_every == 0 and rank == 0:
+                save_checkpoint(args.ckpt, plain, optimizer, step)
+                log(f"step {step:3d}  checkpoint saved")
+
+    acc = evaluate(model, x_val, y_val, device, rank, world)
+    log(f"done: {step} steps, held-out accuracy {acc:.3f}")
+    final = {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()}
+    if args.out and rank == 0:
+        tmp = args.out + ".tmp"
+        torch.save(final, tmp)
+        os.replace(tmp, args.out)
+    if distributed:
+        dist.barrier()  # nobody leaves while another rank may still be talking to it
+        # DDP's reducer holds the process group: release it first (gc: DDP has reference
+        # cycles), so that destroy_process_group really stops gloo's threads while Python is
+        # fully alive; left to interpreter shutdown, that clean-up can crash the process.
+        del model
+        gc.collect()
+        dist.destroy_process_group()
+    return final
+
+
+@record  # on an uncaught exception: the traceback goes to TORCHELASTIC_ERROR_FILE for torchrun
+def main(argv=None):
+    return train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Chapter 06: the cluster templates, the two-host network namespaces, and the helper files.
+
+- the SLURM template and the two-machine recipe parse (``bash -n``) and their dry runs print the
+  commands a cluster needs;
+- the namespaces are made and always removed, also when the code inside fails (root only);
+- the ``ch06_*`` files committed beside the lesson are exactly what its ``%%writefile`` cells write.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from course_utils import free_port, run_commands
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+LESSON = NOTEBOOKS / "06_multi_node.ipynb"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, NOTEBOOKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+dryrun = _load("ch06_dryrun")
+netns = _load("ch06_netns")
+
+
+@pytest.mark.parametrize("script", ["ch06_slurm.sbatch", "ch06_two_machines.sh"])
+def test_templates_parse(script):
+    r = subprocess.run(["bash", "-n", str(NOTEBOOKS / script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_nodelist_expansion_matches_scontrol():
+    assert dryrun.expand_nodelist("gpu-[07-08,11],login1,n[9-10]") == [
+        "gpu-07", "gpu-08", "gpu-11", "login1", "n9", "n10"]
+
+
+def test_sbatch_dry_run_gives_every_node_the_same_rendezvous():
+    lines = dryrun.dry_run_sbatch(str(NOTEBOOKS / "ch06_slurm.sbatch"), nodelist="gpu-[07-09]",
+                                  job_id=918273, args=["--steps", "5000"], env={"IFNAME": "ib0"})
+    assert [line.split("]")[0] for line in lines] == ["[gpu-07", "[gpu-08", "[gpu-09"]
+    commands = {line.split("] ", 1)[1] for line in lines}
+    assert len(commands) == 1, "with c10d every node runs the same command"
+    (cmd,) = commands
+    for expected in ("--nnodes=3", "--nproc_per_node=4", "--rdzv_backend=c10d",
+                     "--rdzv_endpoint=gpu-07:38273", "--rdzv_id=918273", "--max-restarts=2",
+                     "NCCL_SOCKET_IFNAME=ib0", "GLOO_SOCKET_IFNAME=ib0",
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "OMP_NUM_THREADS=8",
+                     "ch06_train.py --ckpt $SUBMIT_DIR/checkpoints/ch06-918273.pt --steps 5000"):
+        assert expected in cmd, (expected, cmd)
+
+
+def test_sbatch_without_ifname_leaves_nccl_to_choose():
+    (first, _) = dryrun.dry_run_sbatch(str(NOTEBOOKS / "ch06_slurm.sbatch"))
+    assert "SOCKET_IFNAME" not in first
+
+
+def test_two_machine_recipe_differs_only_in_host_and_address():
+    machine = dict(MASTER_ADDR="10.1.1.20", MASTER_PORT=29400, IFNAME="eth1", JOB_ID="run-42")
+    a, b = dryrun.dry_run_machines(str(NOTEBOOKS / "ch06_two_machines.sh"), {
+        "m1": dict(machine, LOCAL_ADDR="10.1.1.20"), "m2": dict(machine, LOCAL_ADDR="10.1.1.21")})
+    assert "--rdzv_conf=is_host=1 --local-addr=10.1.1.20" in a
+    assert "--rdzv_conf=is_host=0 --local-addr=10.1.1.21" in b
+    for line in (a, b):
+        assert "--rdzv_endpoint=10.1.1.20:29400 --rdzv_id=run-42" in line
+        assert "NCCL_SOCKET_IFNAME=eth1 GLOO_SOCKET_IFNAME=eth1" in line
+
+
+def test_two_machine_recipe_refuses_missing_settings():
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "IFNAME")}
+    r = subprocess.run(["bash", str(NOTEBOOKS / "ch06_two_machines.sh")], capture_output=True,
+                       text=True, env=dict(env, DRY_RUN="1"))
+    assert r.returncode != 0 and "MASTER_ADDR" in r.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Network namespaces (need root; skipped with the reason otherwise)
+# --------------------------------------------------------------------------------------------
+
+REASON = netns.unavailable_reason()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"network namespaces: {REASON}")
+
+
+@needs_netns
+def test_two_hosts_are_removed_after_an_error():
+    mine = f"{netns.PREFIX}-{os.getpid()}-"
+    with pytest.raises(RuntimeError, match="inside"):
+        with netns.two_hosts() as (a, b):
+            assert {a.netns, b.netns} <= set(netns.ours())
+            raise RuntimeError("a failure inside the block")
+    assert not [n for n in netns.ours() if n.startswith(mine)]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert f"{netns.VETH}{os.getpid()}" not in links
+
+
+@needs_netns
+def test_leftovers_of_a_dead_owner_are_removed():
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is now free: a namespace "owned" by it is a leftover
+    name = f"{netns.PREFIX}-{dead.pid}-a"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in netns.remove_leftovers()
+        assert name not in netns.ours()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@needs_netns
+def test_gloo_across_hosts_needs_the_interface_name(no_leftover_processes):
+    """The host name resolves to loopback in each namespace: only GLOO_SOCKET_IFNAME fixes it."""
+    py = sys.executable
+    with netns.two_hosts() as (a, b):
+        def pair(with_ifname):
+            port = free_port()
+            env = (lambda h: ["env", f"GLOO_SOCKET_IFNAME={h.ifname}"]) if with_ifname else (lambda h: [])
+            return run_commands({h.name: h.cmd(*env(h), py, "ch06_pair.py", "--addr", a.addr,
+                                               "--port", port, "--rank", i, "--timeout", 3)
+                                 for i, h in enumerate((a, b))},
+                                timeout=30 if with_ifname else 6, cwd=NOTEBOOKS, echo=False,
+                                env={"TORCH_CPP_LOG_LEVEL": "FATAL"})
+        good = pair(True)
+        bad = pair(False)
+    assert all(r.ok for r in good), [r.output for r in good]
+    assert all("all_reduce gave 3" in r.output for r in good)
+    assert not bad[1].ok and "remote=[127.0.0.1]" in bad[1].output
+
+
+# --------------------------------------------------------------------------------------------
+# The committed helper files are the lesson's %%writefile cells
+# --------------------------------------------------------------------------------------------
+
+
+def _writefile_cells() -> dict[str, str]:
+    cells = json.loads(LESSON.read_text())["cells"]
+    out = {}
+    for c in cells:
+        src = "".join(c["source"])
+        if c["cell_type"] == "code" and src.startswith("%%writefile "):
+            first, _, body = src.partition("\n")
+            out[first.split()[1]] = body
+    return out
+
+
+def test_helper_files_match_the_lesson():
+    cells = _writefile_cells()
+    assert set(cells) == {"ch06_train.py", "ch06_pair.py", "ch06_netns.py", "ch06_two_machines.sh",
+                          "ch06_slurm.sbatch", "ch06_dryrun.py"}
+    for name, body in cells.items():
+        on_disk = (NOTEBOOKS / name).read_text()
+        # %%writefile writes the cell body plus a final newline
+        assert on_disk.rstrip("\n") == body.rstrip("\n"), f"{name} differs from its cell; rerun the lesson"
