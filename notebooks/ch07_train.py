@@ -99,7 +99,7 @@ def train(*, accum_steps=4, micro_batch=16, base_lr=0.05, base_batch=32, scale_l
     result = {"curve": curve, "steps": step, "global_batch": global_batch, "peak_lr": peak,
               "allreduce_calls": stats.calls, "allreduce_bytes": stats.sent_bytes}
     if own_group:
-        del model, opt  # a DDP model with a comm hook must go before its group (see ch07_comm)
+        del model, opt  # free DDP before its process group (see ch07_comm)
         dist.destroy_process_group()
     return result
 

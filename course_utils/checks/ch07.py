@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import traceback
 from typing import Any
@@ -88,8 +89,9 @@ def _accumulation_worker(fn) -> dict:
             c0, o0 = calls[0], opt_steps[0]
             try:
                 ret = fn(model, opt, batches)
-            except NotImplementedError:
-                raise
+            except NotImplementedError as e:  # the stub: reported as "not done" by the checker
+                out["not_done"] = str(e)
+                break
             except Exception as e:  # report it with the step and rank, without killing the others
                 out["error"] = (s, type(e).__name__, str(e), traceback.format_exc(limit=-3))
                 break
@@ -100,8 +102,10 @@ def _accumulation_worker(fn) -> dict:
                 "params": {n: p.detach().cpu().clone() for n, p in model.module.named_parameters()},
             })
     finally:
-        # A DDP model with a Python comm hook must be freed before its process group.
-        del model, probe
+        # Free every DDP model before its process group: a DDP model that outlives the group
+        # can hang or abort the worker when it is freed (torch 2.13, gloo).
+        model = probe = opt = None
+        gc.collect()  # in case a reference cycle still holds one
         dist.destroy_process_group()
     return out
 
@@ -151,6 +155,9 @@ def check_accumulation_step(fn, *, timeout: float = 90) -> None:
 
     results = launch(_accumulation_worker, nprocs=WORLD, args=(fn,), timeout=timeout,
                      display=None)
+    for r in results:
+        if "not_done" in r:
+            raise NotImplementedError(r["not_done"])
     for r in results:
         if "error" in r:
             s, etype, msg, tb = r["error"]
