@@ -17,15 +17,16 @@ _SCONTROL = r'''#!{python}
 import re, sys
 if sys.argv[1:3] != ["show", "hostnames"]:
     sys.exit("this stand-in only knows `scontrol show hostnames LIST`")
+names = []
 for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", sys.argv[3]):
     m = re.fullmatch(r"(.*)\[(.*)\]", part)
     if not m:
-        print(part)
+        names.append(part)
         continue
     for rng in m.group(2).split(","):
         lo, _, hi = rng.partition("-")
-        for i in range(int(lo), int(hi or lo) + 1):
-            print(f"{{m.group(1)}}{{i:0{{len(lo)}}d}}")
+        names += [f"{{m.group(1)}}{{i:0{{len(lo)}}d}}" for i in range(int(lo), int(hi or lo) + 1)]
+sys.stdout.write("\n".join(names) + "\n")
 '''
 
 _SRUN = r'''#!{python}

@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,10 @@ def show_env():
     """One JSON line per worker: what the launcher told it, and where it runs."""
     info = {k: os.environ.get(k) for k in ENV_KEYS}
     info.update(host=socket.gethostname(), pid=os.getpid(), torch=torch.__version__)
-    print("ENV " + json.dumps(info), flush=True)
+    # One write call: the workers of a node share the agent's output, and print() would write
+    # the text and the newline separately, so that two workers' lines could interleave.
+    sys.stdout.write("ENV " + json.dumps(info) + "\n")
+    sys.stdout.flush()
 
 
 def save_checkpoint(path, model, optimizer, step):

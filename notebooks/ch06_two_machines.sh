@@ -18,7 +18,7 @@ set -euo pipefail
 : "${JOB_ID:?set JOB_ID to a name for this job, the same on every machine}"
 
 # This machine's address on IFNAME: the address the other machines will be told to use.
-LOCAL_ADDR=${LOCAL_ADDR:-$(ip -4 -o addr show dev "$IFNAME" | awk '{split($4, a, "/"); print a[1]; exit}')}
+LOCAL_ADDR=${LOCAL_ADDR:-$(ip -4 -o addr show dev "$IFNAME" | awk '!seen++ {split($4, a, "/"); print a[1]}')}
 [[ -n "$LOCAL_ADDR" ]] || { echo "no IPv4 address on $IFNAME" >&2; exit 1; }
 # The machine that owns MASTER_ADDR hosts the rendezvous. torchrun guesses that from the hostname,
 # which fails when MASTER_ADDR belongs to a second network card: say it outright instead.

@@ -42,7 +42,7 @@ RUN_TIMEOUT = 90.0
 
 # What every simulated worker prints: its environment and the result of one all_reduce.
 _PROBE = r'''
-import json, os
+import json, os, sys
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank())])
@@ -51,7 +51,8 @@ keys = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
         "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")
 info = {k: os.environ.get(k) for k in keys}
 info["sum"] = t.item()
-print("PROBE " + json.dumps(info), flush=True)
+sys.stdout.write("PROBE " + json.dumps(info) + "\n")  # one write: lines of two workers never mix
+sys.stdout.flush()
 dist.barrier()
 dist.destroy_process_group()
 '''
