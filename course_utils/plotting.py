@@ -11,14 +11,14 @@ __all__ = ["explore", "has_widget_frontend"]
 
 
 def has_widget_frontend() -> bool:
-    """True inside a Jupyter kernel with ipywidgets importable (a browser may be attached)."""
-    try:
-        import ipywidgets  # noqa: F401
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    ip = get_ipython()
-    return ip is not None and getattr(ip, "kernel", None) is not None
+    """True where the live display uses widgets (a kernel started by JupyterLab or Notebook).
+
+    One rule for the whole course, ``course_utils.monitor.display_mode``: nbval, nbconvert and
+    terminals get plain output, and ``COURSE_DISPLAY=text`` forces it anywhere.
+    """
+    from .monitor import display_mode
+
+    return display_mode() == "widgets"
 
 
 def explore(run: Callable[..., Any], *, title: str = "", **controls: Any) -> Any:
