@@ -1,0 +1,590 @@
+"""Checkers for chapter 09 (troubleshooting lab): six broken scripts, fixed by the learner.
+
+Each checker runs the learner's function in real worker processes (two ranks, gloo on CPU) with a
+timeout, so a fix that still hangs fails with the stuck ranks' positions instead of freezing the
+notebook.  Then it checks that the symptom is gone *and* that the result is right, against a
+reference computed in the same workers.
+
+| exercise | the learner writes | the symptom that must be gone |
+| --- | --- | --- |
+| 09.a | ``end_of_epoch(model, local_val_loss, path) -> float`` | hang: a collective inside ``if rank == 0`` |
+| 09.b | ``make_loader(dataset, batch_size, epoch) -> DataLoader`` | duplicated samples; the same order every epoch |
+| 09.c | ``sync_metrics(metrics) -> dict`` | collectives in different orders (wrong totals, hang) |
+| 09.d | ``train_step(model, optimizer, x, y) -> bool`` | NaN on one rank: NaN weights, or a hang from a local skip |
+| 09.e | ``train_uneven(model, optimizer, batches) -> int`` | uneven inputs: hang at the last batch |
+| 09.f | ``evaluate(model, batches) -> float`` | evaluation that builds graphs (memory leak) |
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..checking import CheckFailed, checker, compare_tensors, require_callable
+
+__all__ = [
+    "check_checkpoint_collective",
+    "check_distributed_loader",
+    "check_metrics_sync",
+    "check_nan_skip_step",
+    "check_uneven_join",
+    "check_eval_no_leak",
+]
+
+WORLD = 2
+
+
+# --------------------------------------------------------------------------------------------
+# Running the learner's code in workers
+# --------------------------------------------------------------------------------------------
+
+
+def _run(worker: Callable, args: tuple, *, timeout: float, hang_hint: str,
+         error_hint: str = "") -> list[Any]:
+    """``launch(worker, WORLD, args)``; hangs and crashes become a CheckFailed that says where."""
+    from ..diagnose import _first_lines, stuck_where
+    from ..launcher import WorkerError, WorkerTimeout, launch
+
+    try:
+        return launch(worker, nprocs=WORLD, args=args, timeout=timeout, display=None)
+    except WorkerTimeout as e:
+        where = "; ".join(f"rank {r} stuck {stuck_where(f.stack)}"
+                          for r, f in sorted(e.failures.items()) if f.kind == "timeout")
+        raise CheckFailed(f"your code hung: after {timeout:g} s the ranks were still running "
+                          f"({where}).\nUsual mistake: {hang_hint}") from None
+    except WorkerError as e:
+        if any(f.exc_type == "NotImplementedError" for f in e.failures.values()):
+            raise  # the checker decorator reports "not done yet"
+        lines = []
+        for r, f in sorted(e.failures.items()):
+            if f.kind == "stopped":
+                continue
+            if f.kind == "exception":
+                msg = (_first_lines(f.message, 2) or [""])
+                lines.append(f"rank {r} raised {f.exc_type}: " + " ".join(msg))
+            else:
+                lines.append(f.describe().splitlines()[0])
+        raise CheckFailed("your code failed in the workers: " + "; ".join(lines)
+                          + (f"\nUsual mistake: {error_hint}" if error_hint else "")) from None
+
+
+def _number(value: Any, what: str, rank: int) -> float:
+    if value is None:
+        raise CheckFailed(f"rank {rank}: {what} returned None (a missing `return`?)")
+    if isinstance(value, torch.Tensor):
+        extra = (" that still carries an autograd graph (grad_fn set): keeping it keeps every "
+                 "batch's graph alive" if value.grad_fn is not None or value.requires_grad else "")
+        raise CheckFailed(f"rank {rank}: {what} returned a torch.Tensor{extra}; return a Python "
+                          "float (`.item()`)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckFailed(f"rank {rank}: {what} returned a {type(value).__name__}; expected a "
+                          "Python float")
+    return float(value)
+
+
+def _close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
+
+
+def _states_equal(states: list[dict], what: str, hint: str) -> None:
+    for r in range(1, len(states)):
+        compare_tensors(states[0], states[r], atol=0.0, what=f"{what} of rank {r} vs rank 0",
+                        hint=hint)
+
+
+# --------------------------------------------------------------------------------------------
+# 09.a  end of epoch: a collective inside `if rank == 0`
+# --------------------------------------------------------------------------------------------
+
+
+def _w_end_of_epoch(fn: Callable, path: str) -> dict:
+    import torch.distributed as dist
+
+    from ..data import make_model
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    saves: list[int] = []
+    real_save = torch.save
+
+    def slow_save(obj, f, *args, **kwargs):  # a slow disk makes a missing barrier visible
+        saves.append(rank)
+        time.sleep(0.3)
+        return real_save(obj, f, *args, **kwargs)
+
+    model = make_model(0, hidden=16)
+    torch.save = slow_save
+    try:
+        value = fn(model, 1.0 + 2.0 * rank, path)
+        exists_at_return = os.path.exists(path)
+    finally:
+        torch.save = real_save
+    dist.barrier()  # only reached when the learner's code left the ranks in step
+    dist.destroy_process_group()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"value": value, "saves": saves, "exists_at_return": exists_at_return, "state": state}
+
+
+@checker("09.a checkpoint collective")
+def check_checkpoint_collective(end_of_epoch: Callable, *, timeout: float = 20.0) -> None:
+    """Run ``end_of_epoch(model, local_val_loss, path)`` on two ranks (losses 1.0 and 3.0)."""
+    require_callable(end_of_epoch, "end_of_epoch(model, local_val_loss, path)")
+    path = os.path.join(tempfile.mkdtemp(prefix="ch09a-"), "checkpoint.pt")
+    out = _run(_w_end_of_epoch, (end_of_epoch, path), timeout=timeout,
+               hang_hint="a collective (all_reduce inside a helper, a barrier) is called only "
+               "under `if rank == 0:`; the other ranks wait elsewhere. Compute the mean on every "
+               "rank, save on rank 0 only, and put the barrier after the `if`.")
+    expected = sum(1.0 + 2.0 * r for r in range(WORLD)) / WORLD
+    for r, o in enumerate(out):
+        got = _number(o["value"], "end_of_epoch", r)
+        if not _close(got, expected):
+            why = ("that is this rank's own loss: average it over all ranks with an all-reduce"
+                   if _close(got, 1.0 + 2.0 * r) else
+                   "that is the sum over ranks: divide by the world size"
+                   if _close(got, expected * WORLD) else "expected the mean over all ranks")
+            raise CheckFailed(f"rank {r} returned {got:g}, expected the mean validation loss "
+                              f"{expected:g}; {why}")
+    writers = sorted({r for o in out for r in o["saves"]})
+    if any(r != 0 for r in writers):
+        raise CheckFailed(f"rank(s) {[r for r in writers if r != 0]} also called torch.save: "
+                          "only rank 0 should write the checkpoint (several ranks writing one "
+                          "file race each other)")
+    if not os.path.exists(path):
+        raise CheckFailed(f"no checkpoint at {path}: rank 0 must torch.save it there")
+    ckpt = torch.load(path, map_location="cpu")
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "val_loss" not in ckpt:
+        raise CheckFailed("the checkpoint must be a dict with keys 'model' (the state_dict) and "
+                          f"'val_loss'; got {type(ckpt).__name__} "
+                          f"{sorted(ckpt) if isinstance(ckpt, dict) else ''}")
+    if not _close(float(ckpt["val_loss"]), expected):
+        raise CheckFailed(f"the checkpoint's val_loss is {float(ckpt['val_loss']):g}, expected "
+                          f"the mean over ranks {expected:g}")
+    compare_tensors(out[0]["state"], ckpt["model"], atol=0.0, what="the checkpoint's weights",
+                    hint="save model.state_dict()")
+    late = [r for r, o in enumerate(out) if not o["exists_at_return"]]
+    if late:
+        raise CheckFailed(f"rank(s) {late} returned before the checkpoint existed (rank 0 was "
+                          "still writing it): end with dist.barrier() on every rank, after the "
+                          "`if rank == 0:` block, so nobody reads a half-written file")
+
+
+# --------------------------------------------------------------------------------------------
+# 09.b  the loader of one epoch: DistributedSampler and set_epoch
+# --------------------------------------------------------------------------------------------
+
+_N_SAMPLES = 96
+_BATCH = 8
+
+
+def _w_epoch_loader(fn: Callable, epochs: int) -> dict:
+    import torch.distributed as dist
+
+    from ..data import make_dataset
+    from ..diagnose import IndexedDataset, check_duplicates, sample_ids
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(dist.get_rank())  # ranks seed differently, as most scripts do
+    dataset = IndexedDataset(make_dataset(_N_SAMPLES))
+    orders, sizes, reports, problem = [], [], [], ""
+    for epoch in range(epochs):
+        loader = fn(dataset, _BATCH, epoch)
+        if loader is None:
+            problem = "make_loader returned None (a missing `return`?)"
+            ids = []
+        else:
+            try:
+                batches = list(loader)
+            except TypeError:
+                problem = f"make_loader returned a {type(loader).__name__}, not a DataLoader"
+                batches = []
+            ids = sample_ids(batches)
+            sizes.append(len(batches[0][-1]) if batches else 0)
+        orders.append(ids)
+        reports.append(check_duplicates(ids, _N_SAMPLES))  # a collective: every rank, every epoch
+    dist.destroy_process_group()
+    return {"orders": orders, "sizes": sizes, "reports": reports, "problem": problem}
+
+
+@checker("09.b distributed loader")
+def check_distributed_loader(make_loader: Callable, *, timeout: float = 20.0) -> None:
+    """Call ``make_loader(dataset, 8, epoch)`` for epochs 0, 1, 2 on two ranks; audit the ids."""
+    require_callable(make_loader, "make_loader(dataset, batch_size, epoch)")
+    epochs = 3
+    out = _run(_w_epoch_loader, (make_loader, epochs), timeout=timeout,
+               hang_hint="the loader should not communicate; build it from DistributedSampler")
+    for r, o in enumerate(out):
+        if o["problem"]:
+            raise CheckFailed(f"rank {r}: {o['problem']}")
+        if any(s != _BATCH for s in o["sizes"]):
+            raise CheckFailed(f"rank {r}: batches of {o['sizes'][0]} samples, expected "
+                              f"batch_size={_BATCH}")
+    for epoch, rep in enumerate(out[0]["reports"]):
+        if rep.shared:
+            raise CheckFailed(
+                f"epoch {epoch}: {len(rep.shared)} of {_N_SAMPLES} samples were seen by more "
+                f"than one rank (samples per rank: {rep.counts}; e.g. ids {sorted(rep.shared)[:5]}).\n"
+                "Usual mistake: a plain DataLoader(shuffle=True) on every rank reads the whole "
+                "data set; give it sampler=DistributedSampler(dataset) (and no shuffle=)")
+        if rep.repeated:
+            raise CheckFailed(f"epoch {epoch}: some ranks saw the same sample twice "
+                              f"({rep.repeated}); each sample once per epoch")
+        if rep.missing:
+            raise CheckFailed(f"epoch {epoch}: {len(rep.missing)} samples were seen by no rank "
+                              f"(e.g. {rep.missing[:5]}); the ranks' shards must cover the data set")
+    for r, o in enumerate(out):
+        orders = o["orders"]
+        if orders[0] == sorted(orders[0]):
+            raise CheckFailed(f"rank {r} reads its shard in index order: shuffle it "
+                              "(DistributedSampler(dataset, shuffle=True), its default)")
+        same = [e for e in range(1, len(orders)) if orders[e] == orders[0]]
+        if same:
+            raise CheckFailed(
+                f"rank {r}: epoch {same[0]} visits the samples in exactly the same order as epoch "
+                "0.\nUsual mistake: DistributedSampler shuffles with seed + epoch, and the epoch "
+                "only changes when you call sampler.set_epoch(epoch) before iterating")
+
+
+# --------------------------------------------------------------------------------------------
+# 09.c  metrics in different orders
+# --------------------------------------------------------------------------------------------
+
+_METRICS = [
+    [{"samples": 64.0, "correct": 50.0}, {"correct": 41.0, "samples": 64.0, "skipped_nan": 1.0}],
+    [{"loss_sum": 2.5}, {"loss_sum": 5.0}],
+]
+
+
+def _w_sync_metrics(fn: Callable) -> list:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results: list = []
+    for case in _METRICS:
+        try:
+            results.append(fn(dict(case[rank])))
+        except NotImplementedError:
+            raise
+        except Exception as e:  # usually: the partner rank finished and closed the connection
+            results.append(("error", type(e).__name__, str(e).splitlines()[0][:200]))
+            break
+    dist.destroy_process_group()
+    return results
+
+
+@checker("09.c metrics order")
+def check_metrics_sync(sync_metrics: Callable, *, timeout: float = 20.0) -> None:
+    """Two ranks with metric dicts in different orders, one key on one rank only."""
+    require_callable(sync_metrics, "sync_metrics(metrics)")
+    hint = ("the ranks issued their all-reduces in different orders, or one rank had a key the "
+            "other lacked and issued an extra one. Collectives match by order, not by name: agree "
+            "on the keys first (dist.all_gather_object), then reduce in sorted order")
+    out = _run(_w_sync_metrics, (sync_metrics,), timeout=timeout, hang_hint=hint, error_hint=hint)
+    errors = []
+    for i, case in enumerate(_METRICS):
+        keys = sorted({k for d in case for k in d})
+        expected = {k: sum(d.get(k, 0.0) for d in case) for k in keys}
+        for r in range(WORLD):
+            if i >= len(out[r]):
+                continue
+            got = out[r][i]
+            if isinstance(got, tuple) and len(got) == 3 and got[0] == "error":
+                errors.append(f"rank {r} raised {got[1]}: {got[2]}")
+                continue
+            if not isinstance(got, dict):
+                raise CheckFailed(f"rank {r}: sync_metrics returned a {type(got).__name__}; "
+                                  "expected a dict of totals")
+            if sorted(got) != keys:
+                raise CheckFailed(
+                    f"rank {r} returned the keys {sorted(got)}, expected {keys}: every key that "
+                    f"any rank has (a key missing on a rank counts as 0). Inputs: {case}")
+            for k in keys:
+                raw = got[k]
+                if isinstance(raw, torch.Tensor) and raw.numel() == 1:
+                    raw = raw.item()
+                v = _number(raw, f"sync_metrics()[{k!r}]", r)
+                if not _close(v, expected[k]):
+                    raise CheckFailed(
+                        f"rank {r}: {k} = {v:g}, expected the total {expected[k]:g} (inputs "
+                        f"{case}).\nUsual mistake: {hint}")
+    if errors:
+        raise CheckFailed("; ".join(errors) + f"\nUsual mistake: {hint}")
+
+
+# --------------------------------------------------------------------------------------------
+# 09.d  NaN on one rank: skip the step on every rank
+# --------------------------------------------------------------------------------------------
+
+_NAN_STEPS = 4
+_NAN_AT = 1
+
+
+def _nan_batches(rank: int) -> list:
+    from ..data import make_dataset
+
+    X, Y = make_dataset(16 * _NAN_STEPS, seed=10 + rank).tensors
+    batches = []
+    for s in range(_NAN_STEPS):
+        x, y = X[s * 16:(s + 1) * 16].clone(), Y[s * 16:(s + 1) * 16].clone()
+        if rank == 1 and s == _NAN_AT:
+            x[2, 3] = float("nan")  # one bad value in one sample of one rank
+        batches.append((x, y))
+    return batches
+
+
+def _w_nan_step(fn: Callable) -> dict:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..data import make_model
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    batches = _nan_batches(rank)
+
+    # the reference first, so that a learner's hang cannot spoil it
+    ref = DDP(make_model(0, hidden=32))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches:
+        F.cross_entropy(ref(x), y).backward()
+        if all(torch.isfinite(p.grad).all() for p in ref.parameters() if p.grad is not None):
+            ref_opt.step()
+        ref_opt.zero_grad()
+    reference = {k: v.detach().clone() for k, v in ref.module.state_dict().items()}
+    del ref, ref_opt
+
+    model = DDP(make_model(0, hidden=32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    flags = [fn(model, opt, x, y) for x, y in batches]
+    state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    del model, opt
+    dist.destroy_process_group()
+    return {"flags": flags, "state": state, "reference": reference}
+
+
+@checker("09.d NaN skip")
+def check_nan_skip_step(train_step: Callable, *, timeout: float = 20.0) -> None:
+    """Four DDP steps on two ranks; rank 1's second batch holds a NaN."""
+    require_callable(train_step, "train_step(model, optimizer, x, y)")
+    hang = ("one rank decided alone to skip: it returned before backward() (a local "
+            "`if not torch.isfinite(loss): return False`), so its DDP all-reduce never happened "
+            "and the other rank waits in backward(). Decide on all ranks together: check the "
+            "gradients after backward() (DDP has made them identical), or all-reduce a flag")
+    out = _run(_w_nan_step, (train_step,), timeout=timeout, hang_hint=hang, error_hint=hang)
+    expected = [s != _NAN_AT for s in range(_NAN_STEPS)]
+    for r, o in enumerate(out):
+        flags = o["flags"]
+        if any(not isinstance(f, bool) for f in flags):
+            raise CheckFailed(f"rank {r}: train_step returned {flags}; return True when the "
+                              "optimizer stepped, False when the step was skipped")
+        if flags != expected:
+            taken = [s for s, f in enumerate(flags) if f]
+            if flags[_NAN_AT]:
+                why = (f"step {_NAN_AT} (rank 1's batch holds a NaN) was taken: after DDP's "
+                       "all-reduce every rank's gradients are NaN, and so would the weights be")
+            elif not any(flags[_NAN_AT + 1:]):
+                why = ("every step after the NaN was skipped too: the NaN gradients stayed in "
+                       ".grad. Call optimizer.zero_grad() also when you skip")
+            else:
+                why = "expected only the NaN step to be skipped"
+            raise CheckFailed(f"rank {r} stepped at steps {taken} of 0..{_NAN_STEPS - 1}, "
+                              f"expected all but step {_NAN_AT}: {why}")
+    for r, o in enumerate(out):
+        bad = [k for k, v in o["state"].items() if not torch.isfinite(v).all()]
+        if bad:
+            raise CheckFailed(f"rank {r}: parameters {bad} hold NaN/Inf after training: the "
+                              "NaN step was applied")
+    _states_equal([o["state"] for o in out], "parameters",
+                  "the ranks skipped different steps: the decision must be the same on all ranks")
+    compare_tensors(out[0]["reference"], out[0]["state"], atol=1e-6,
+                    what="parameters after 4 steps", where="rank 0",
+                    hint="forward, backward, then step only when every gradient is finite; "
+                    "always zero_grad()")
+
+
+# --------------------------------------------------------------------------------------------
+# 09.e  uneven inputs: Join
+# --------------------------------------------------------------------------------------------
+
+
+def _uneven_batches(rank: int) -> list:
+    from ..data import make_dataset
+
+    X, Y = make_dataset(16 * 5, seed=20 + rank).tensors
+    n = 5 if rank == 0 else 3
+    return [(X[i * 16:(i + 1) * 16], Y[i * 16:(i + 1) * 16]) for i in range(n)]
+
+
+def _w_uneven(fn: Callable) -> dict:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..data import make_model
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    batches = _uneven_batches(rank)
+
+    ref = DDP(make_model(0, hidden=32))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with Join([ref]):
+        for x, y in batches:
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    reference = {k: v.detach().clone() for k, v in ref.module.state_dict().items()}
+    del ref, ref_opt
+
+    model = DDP(make_model(0, hidden=32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    forwards = [0]
+    model.module.register_forward_pre_hook(lambda m, a: forwards.__setitem__(0, forwards[0] + 1))
+    steps = fn(model, opt, batches)
+    dist.barrier()  # reached only if the learner's loop left the ranks in step
+    state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    del model, opt
+    dist.destroy_process_group()
+    return {"steps": steps, "forwards": forwards[0], "batches": len(batches), "state": state,
+            "reference": reference}
+
+
+@checker("09.e uneven inputs")
+def check_uneven_join(train_uneven: Callable, *, timeout: float = 20.0) -> None:
+    """Rank 0 has 5 batches, rank 1 has 3; the loop must use them all and not hang."""
+    require_callable(train_uneven, "train_uneven(model, optimizer, batches)")
+    out = _run(_w_uneven, (train_uneven,), timeout=timeout,
+               hang_hint="the rank with fewer batches left its loop while the other was still "
+               "in DDP's gradient all-reduce. Wrap the loop in `with Join([model]):` "
+               "(torch.distributed.algorithms.join)")
+    for r, o in enumerate(out):
+        if o["forwards"] != o["batches"]:
+            raise CheckFailed(f"rank {r} ran the model on {o['forwards']} of its {o['batches']} "
+                              "batches: train on every batch (Join lets the ranks with more "
+                              "batches go on; truncating to the shortest rank throws data away)")
+        steps = o["steps"]
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps != o["batches"]:
+            raise CheckFailed(f"rank {r}: train_uneven returned {steps!r}, expected the number "
+                              f"of optimizer steps it took ({o['batches']})")
+    _states_equal([o["state"] for o in out], "parameters",
+                  "the ranks trained apart (model.module bypasses DDP's all-reduce, or "
+                  "no_sync() was left on)")
+    compare_tensors(out[0]["reference"], out[0]["state"], atol=1e-6, what="parameters",
+                    where="rank 0", hint="forward through the DDP model, backward, step, "
+                    "zero_grad, inside `with Join([model]):`")
+
+
+# --------------------------------------------------------------------------------------------
+# 09.f  evaluation without graphs
+# --------------------------------------------------------------------------------------------
+
+
+def _eval_batches(rank: int) -> list:
+    from ..data import make_dataset
+
+    X, Y = make_dataset(64, seed=30 + rank).tensors
+    sizes = [16, 16, 16] if rank == 0 else [16, 5]  # uneven: a plain mean of means is wrong
+    out, start = [], 0
+    for s in sizes:
+        out.append((X[start:start + s], Y[start:start + s]))
+        start += s
+    return out
+
+
+def _w_evaluate(fn: Callable) -> dict:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from ..data import make_model
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    batches = _eval_batches(rank)
+    model = make_model(0, hidden=32, norm=True)
+    with torch.no_grad():  # non-trivial BatchNorm statistics, identical on both ranks
+        model(torch.linspace(-2, 2, 32 * 8).reshape(8, 32))
+    model.train()
+
+    ref_model = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        total = torch.tensor([sum(F.cross_entropy(ref_model(x), y, reduction="sum").item()
+                                  for x, y in batches),
+                              float(sum(len(y) for _, y in batches))], dtype=torch.float64)
+        batch_means = torch.tensor([sum(F.cross_entropy(ref_model(x), y).item() for x, y in batches),
+                                    float(len(batches))], dtype=torch.float64)
+    local_mean = (total[0] / total[1]).item()
+    rank_means = torch.tensor([local_mean], dtype=torch.float64)
+    for t in (total, batch_means, rank_means):
+        dist.all_reduce(t)
+    reference = (total[0] / total[1]).item()
+
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    saved = [0]
+
+    def pack(t):
+        saved[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        value = fn(model, batches)
+    changed = [k for k, v in model.named_buffers() if "num_batches" not in k
+               and not torch.equal(v, buffers[k])]
+    info = {"value": value, "saved": saved[0], "changed": changed, "training": model.training,
+            "reference": reference, "local_mean": local_mean,
+            "mean_of_batch_means": (batch_means[0] / batch_means[1]).item(),
+            "mean_of_rank_means": rank_means.item() / dist.get_world_size()}
+    dist.destroy_process_group()
+    if isinstance(value, torch.Tensor):  # sent back as a description, not a graph
+        info["value"] = torch.tensor(0.0, requires_grad=value.requires_grad) \
+            if value.requires_grad or value.grad_fn is not None else value.detach()
+    return info
+
+
+@checker("09.f evaluation leak")
+def check_eval_no_leak(evaluate: Callable, *, timeout: float = 20.0) -> None:
+    """Two ranks with uneven batches; the global mean loss, without graphs, in eval mode."""
+    require_callable(evaluate, "evaluate(model, batches)")
+    out = _run(_w_evaluate, (evaluate,), timeout=timeout,
+               hang_hint="every rank must take part in the same all-reduces (sum and count)")
+    for r, o in enumerate(out):
+        value = o["value"]
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            _number(value, "evaluate", r)  # raises, naming the graph
+        if o["saved"]:
+            raise CheckFailed(
+                f"rank {r}: evaluate() made autograd save {o['saved']} tensors for a backward "
+                "pass that never comes: every batch's activations stay alive as long as "
+                "anything references the loss. Wrap the evaluation in torch.no_grad() "
+                "(or torch.inference_mode())")
+        if o["changed"]:
+            raise CheckFailed(f"rank {r}: BatchNorm statistics {o['changed']} changed during "
+                              "evaluation: call model.eval() first")
+        if not o["training"]:
+            raise CheckFailed(f"rank {r}: the model is still in eval mode after evaluate(); "
+                              "call model.train() before returning, or training continues "
+                              "with frozen BatchNorm statistics and no dropout")
+        got = _number(value.item() if isinstance(value, torch.Tensor) and value.numel() == 1
+                      else value, "evaluate", r)
+        if isinstance(value, torch.Tensor):
+            _number(value, "evaluate", r)
+        if not _close(got, o["reference"]):
+            if _close(got, o["local_mean"]):
+                why = ("that is this rank's own mean: all-reduce the sum of losses and the "
+                       "number of samples, then divide")
+            elif _close(got, o["mean_of_batch_means"]):
+                why = "that is the mean of per-batch means: weight each batch by its size"
+            elif _close(got, o["mean_of_rank_means"]):
+                why = ("that is the mean of the ranks' means, but the ranks hold different "
+                       "numbers of samples: all-reduce the sum and the count instead")
+            else:
+                why = "expected sum of per-sample losses over all ranks / number of samples"
+            raise CheckFailed(f"rank {r} returned {got:.6g}, expected the mean loss over every "
+                              f"rank's samples {o['reference']:.6g}; {why}")

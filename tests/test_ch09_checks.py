@@ -1,0 +1,380 @@
+"""Chapter 09 checkers: each accepts the fix and rejects the broken script and typical half-fixes
+with a message that names the mistake."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from course_utils.checking import CheckFailed
+from course_utils.checks import (check_checkpoint_collective, check_distributed_loader,
+                                 check_eval_no_leak, check_metrics_sync, check_nan_skip_step,
+                                 check_uneven_join)
+
+HANG = 4  # seconds: only for the answers that are expected to hang
+
+
+def _workers() -> list:
+    """Processes below this one's children: launch workers (children of the fork server)."""
+    me = os.getpid()
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.ppid() != me and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_worker_left():
+    yield
+    deadline = psutil.time.time() + 10
+    while _workers() and psutil.time.time() < deadline:
+        psutil.time.sleep(0.1)
+    assert not _workers(), "a test left worker processes running"
+
+
+# ---- 09.a ----------------------------------------------------------------------------------
+
+
+def _end_of_epoch(model, local_val_loss, path, *, on_rank0_only=False, reduce=True,
+                  divide=True, everyone_saves=False, barrier=True, save_what="all"):
+    rank = dist.get_rank()
+    val = float(local_val_loss)
+
+    def mean():
+        t = torch.tensor([val])
+        if reduce:
+            dist.all_reduce(t)
+        return t.item() / (dist.get_world_size() if divide and reduce else 1)
+
+    if not on_rank0_only:
+        val = mean()
+    if rank == 0 or everyone_saves:
+        if on_rank0_only:
+            val = mean()
+        obj = {"model": model.state_dict(), "val_loss": val} if save_what == "all" else val
+        torch.save(obj, path)
+    if barrier:
+        dist.barrier()
+    return val
+
+
+def test_09a_accepts_the_fix(capsys):
+    check_checkpoint_collective(_end_of_epoch)
+    assert "[PASS] 09.a checkpoint collective" in capsys.readouterr().out
+
+
+def test_09a_rejects_the_collective_on_rank_0_only():
+    with pytest.raises(CheckFailed, match=r"(?s)hung.*rank 0 stuck in torch all_reduce.*"
+                                          r"rank 1 stuck in torch barrier.*only under `if rank == 0:`"):
+        check_checkpoint_collective(lambda m, v, p: _end_of_epoch(m, v, p, on_rank0_only=True),
+                                    timeout=HANG)
+
+
+def test_09a_rejects_the_local_loss():
+    with pytest.raises(CheckFailed, match=r"rank 0 returned 1, expected the mean validation loss 2; "
+                                          r"that is this rank's own loss"):
+        check_checkpoint_collective(lambda m, v, p: _end_of_epoch(m, v, p, reduce=False))
+
+
+def test_09a_rejects_the_sum():
+    with pytest.raises(CheckFailed, match="that is the sum over ranks: divide by the world size"):
+        check_checkpoint_collective(lambda m, v, p: _end_of_epoch(m, v, p, divide=False))
+
+
+def test_09a_rejects_every_rank_saving():
+    with pytest.raises(CheckFailed, match=r"rank\(s\) \[1\] also called torch.save"):
+        check_checkpoint_collective(lambda m, v, p: _end_of_epoch(m, v, p, everyone_saves=True))
+
+
+def test_09a_rejects_a_missing_barrier():
+    with pytest.raises(CheckFailed, match=r"rank\(s\) \[1\] returned before the checkpoint existed"):
+        check_checkpoint_collective(lambda m, v, p: _end_of_epoch(m, v, p, barrier=False))
+
+
+def test_09a_rejects_a_checkpoint_without_the_model():
+    with pytest.raises(CheckFailed, match="must be a dict with keys 'model'"):
+        check_checkpoint_collective(lambda m, v, p: _end_of_epoch(m, v, p, save_what="loss"))
+
+
+# ---- 09.b ----------------------------------------------------------------------------------
+
+
+def _loader(dataset, batch_size, epoch, *, sampler=True, set_epoch=True, shuffle=True):
+    if not sampler:
+        return DataLoader(dataset, batch_size=batch_size, shuffle=True)
+    s = DistributedSampler(dataset, shuffle=shuffle)
+    if set_epoch:
+        s.set_epoch(epoch)
+    return DataLoader(dataset, batch_size=batch_size, sampler=s)
+
+
+def test_09b_accepts_the_fix(capsys):
+    check_distributed_loader(_loader)
+    assert "[PASS] 09.b distributed loader" in capsys.readouterr().out
+
+
+def test_09b_rejects_a_plain_loader():
+    with pytest.raises(CheckFailed, match=r"(?s)epoch 0: 96 of 96 samples were seen by more than "
+                                          r"one rank.*DistributedSampler"):
+        check_distributed_loader(lambda d, b, e: _loader(d, b, e, sampler=False))
+
+
+def test_09b_rejects_a_missing_set_epoch():
+    with pytest.raises(CheckFailed, match=r"(?s)rank 0: epoch 1 visits the samples in exactly the "
+                                          r"same order as epoch 0.*set_epoch\(epoch\)"):
+        check_distributed_loader(lambda d, b, e: _loader(d, b, e, set_epoch=False))
+
+
+def test_09b_rejects_an_unshuffled_shard():
+    with pytest.raises(CheckFailed, match="reads its shard in index order: shuffle it"):
+        check_distributed_loader(lambda d, b, e: _loader(d, b, e, shuffle=False))
+
+
+def test_09b_rejects_shards_that_miss_samples():
+    def strided(dataset, batch_size, epoch):  # a hand-made shard that forgets the tail
+        rank = dist.get_rank()
+        return DataLoader(Subset(dataset, range(rank, 80, 2)), batch_size=batch_size, shuffle=True)
+
+    with pytest.raises(CheckFailed, match="epoch 0: 16 samples were seen by no rank"):
+        check_distributed_loader(strided)
+
+
+def test_09b_rejects_none_and_the_wrong_batch_size():
+    with pytest.raises(CheckFailed, match=r"rank 0: make_loader returned None"):
+        check_distributed_loader(lambda d, b, e: None)
+    with pytest.raises(CheckFailed, match="batches of 4 samples, expected batch_size=8"):
+        check_distributed_loader(lambda d, b, e: _loader(d, 4, e))
+
+
+# ---- 09.c ----------------------------------------------------------------------------------
+
+
+def _sync(metrics, *, union=True, order="sorted", op="sum", as_list=False):
+    if union:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(metrics))
+        keys = sorted(set().union(*everyone))
+    else:
+        keys = sorted(metrics)
+    if order == "own":  # this rank's insertion order first, then the keys it lacks
+        keys = list(metrics) + [k for k in keys if k not in metrics]
+    t = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    if op == "mean":
+        t /= dist.get_world_size()
+    out = dict(zip(keys, t.tolist()))
+    return list(out.items()) if as_list else out
+
+
+def sync_broken(metrics):
+    totals = {}
+    for name, value in metrics.items():
+        t = torch.tensor([float(value)])
+        dist.all_reduce(t)
+        totals[name] = t.item()
+    return totals
+
+
+def test_09c_accepts_the_fix(capsys):
+    check_metrics_sync(_sync)
+    assert "[PASS] 09.c metrics order" in capsys.readouterr().out
+
+
+def test_09c_rejects_the_broken_loop():
+    with pytest.raises(CheckFailed, match=r"rank 0 returned the keys \['correct', 'samples'\], "
+                                          r"expected \['correct', 'samples', 'skipped_nan'\]"):
+        check_metrics_sync(sync_broken)
+
+
+def test_09c_rejects_each_rank_in_its_own_order():
+    with pytest.raises(CheckFailed, match=r"(?s)rank 0: correct = 114, expected the total 91.*"
+                                          r"Collectives match by order, not by name"):
+        check_metrics_sync(lambda m: _sync(m, order="own"))
+
+
+def test_09c_rejects_the_mean():
+    with pytest.raises(CheckFailed, match="correct = 45.5, expected the total 91"):
+        check_metrics_sync(lambda m: _sync(m, op="mean"))
+
+
+def test_09c_rejects_a_list():
+    with pytest.raises(CheckFailed, match="sync_metrics returned a list; expected a dict"):
+        check_metrics_sync(lambda m: _sync(m, as_list=True))
+
+
+# ---- 09.d ----------------------------------------------------------------------------------
+
+
+def _step(model, optimizer, x, y, *, guard="grads", zero_when_skipping=True):
+    loss = F.cross_entropy(model(x), y)
+    if guard == "local loss" and not torch.isfinite(loss):
+        return False
+    if guard == "flag":  # agree before backward: skip the whole step on every rank
+        bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0])
+        dist.all_reduce(bad)
+        if bad.item() > 0:
+            return False
+    loss.backward()
+    ok = guard != "grads" or all(torch.isfinite(p.grad).all() for p in model.parameters()
+                                 if p.grad is not None)
+    if ok:
+        optimizer.step()
+    if ok or zero_when_skipping:
+        optimizer.zero_grad()
+    return bool(ok)
+
+
+def test_09d_accepts_the_fix(capsys):
+    check_nan_skip_step(_step)
+    assert "[PASS] 09.d NaN skip" in capsys.readouterr().out
+
+
+def test_09d_accepts_a_flag_agreed_before_backward(capsys):
+    check_nan_skip_step(lambda m, o, x, y: _step(m, o, x, y, guard="flag"))
+    assert "[PASS] 09.d NaN skip" in capsys.readouterr().out
+
+
+def test_09d_rejects_a_local_skip():
+    with pytest.raises(CheckFailed, match="one rank decided alone to skip"):
+        check_nan_skip_step(lambda m, o, x, y: _step(m, o, x, y, guard="local loss"),
+                            timeout=HANG)
+
+
+def test_09d_rejects_no_guard():
+    with pytest.raises(CheckFailed, match=r"rank 0 stepped at steps \[0, 1, 2, 3\].*step 1 \(rank "
+                                          r"1's batch holds a NaN\) was taken"):
+        check_nan_skip_step(lambda m, o, x, y: _step(m, o, x, y, guard="none"))
+
+
+def test_09d_rejects_stale_nan_gradients():
+    with pytest.raises(CheckFailed, match=r"stepped at steps \[0\].*every step after the NaN was "
+                                          r"skipped too.*zero_grad\(\) also when you skip"):
+        check_nan_skip_step(lambda m, o, x, y: _step(m, o, x, y, zero_when_skipping=False))
+
+
+def test_09d_rejects_a_missing_return():
+    with pytest.raises(CheckFailed, match=r"rank 0: train_step returned \[None, None, None, None\]"):
+        check_nan_skip_step(lambda m, o, x, y: [_step(m, o, x, y), None][1])
+
+
+# ---- 09.e ----------------------------------------------------------------------------------
+
+
+def _uneven(model, optimizer, batches, *, join=True, truncate=False, local=False):
+    if truncate:
+        n = torch.tensor([len(batches)])
+        dist.all_reduce(n, op=dist.ReduceOp.MIN)
+        batches = batches[: int(n)]
+    net = model.module if local else model
+    steps = 0
+    with Join([model], enable=join and not local):
+        for x, y in batches:
+            F.cross_entropy(net(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+    return steps
+
+
+def test_09e_accepts_the_fix(capsys):
+    check_uneven_join(_uneven)
+    assert "[PASS] 09.e uneven inputs" in capsys.readouterr().out
+
+
+def test_09e_rejects_the_plain_loop():
+    with pytest.raises(CheckFailed, match=r"(?s)hung.*rank 0 stuck in torch _engine_run_backward.*"
+                                          r"with Join\(\[model\]\)"):
+        check_uneven_join(lambda m, o, b: _uneven(m, o, b, join=False), timeout=HANG)
+
+
+def test_09e_rejects_truncation():
+    with pytest.raises(CheckFailed, match="rank 0 ran the model on 3 of its 5 batches"):
+        check_uneven_join(lambda m, o, b: _uneven(m, o, b, truncate=True))
+
+
+def test_09e_rejects_training_without_ddp():
+    with pytest.raises(CheckFailed, match=r"(?s)parameters of rank 1 vs rank 0 differ.*trained apart"):
+        check_uneven_join(lambda m, o, b: _uneven(m, o, b, local=True))
+
+
+def test_09e_rejects_a_missing_step_count():
+    with pytest.raises(CheckFailed, match="train_uneven returned None, expected the number of "
+                                          "optimizer steps it took"):
+        check_uneven_join(lambda m, o, b: [_uneven(m, o, b), None][1])
+
+
+# ---- 09.f ----------------------------------------------------------------------------------
+
+
+def _evaluate(model, batches, *, no_grad=True, item=True, eval_mode=True, restore=True,
+              reduce=True, per_batch=False):
+    if eval_mode:
+        model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)
+    tensor_total = 0.0
+    with torch.no_grad() if no_grad else torch.enable_grad():
+        for x, y in batches:
+            if per_batch:
+                loss, n = F.cross_entropy(model(x), y), 1
+            else:
+                loss, n = F.cross_entropy(model(x), y, reduction="sum"), len(y)
+            if item:
+                totals[0] += loss.item()
+            else:
+                tensor_total = tensor_total + loss
+            totals[1] += n
+    if reduce:
+        dist.all_reduce(totals)
+    if restore:
+        model.train()
+    if not item:
+        return tensor_total / totals[1]
+    return (totals[0] / totals[1]).item()
+
+
+def test_09f_accepts_the_fix(capsys):
+    check_eval_no_leak(_evaluate)
+    assert "[PASS] 09.f evaluation leak" in capsys.readouterr().out
+
+
+def test_09f_rejects_a_tensor_total():
+    with pytest.raises(CheckFailed, match="returned a torch.Tensor that still carries an autograd graph"):
+        check_eval_no_leak(lambda m, b: _evaluate(m, b, no_grad=False, item=False))
+
+
+def test_09f_rejects_a_graph_built_in_evaluation():
+    with pytest.raises(CheckFailed, match=r"evaluate\(\) made autograd save \d+ tensors.*"
+                                          r"torch.no_grad\(\)"):
+        check_eval_no_leak(lambda m, b: _evaluate(m, b, no_grad=False))
+
+
+def test_09f_rejects_training_mode():
+    with pytest.raises(CheckFailed, match="BatchNorm statistics .* changed during evaluation: call "
+                                          r"model.eval\(\) first"):
+        check_eval_no_leak(lambda m, b: _evaluate(m, b, eval_mode=False))
+
+
+def test_09f_rejects_leaving_eval_mode_on():
+    with pytest.raises(CheckFailed, match="still in eval mode after evaluate"):
+        check_eval_no_leak(lambda m, b: _evaluate(m, b, restore=False))
+
+
+def test_09f_rejects_the_local_mean():
+    with pytest.raises(CheckFailed, match="that is this rank's own mean"):
+        check_eval_no_leak(lambda m, b: _evaluate(m, b, reduce=False))
+
+
+def test_09f_rejects_a_mean_of_batch_means():
+    with pytest.raises(CheckFailed, match="mean of per-batch means: weight each batch by its size"):
+        check_eval_no_leak(lambda m, b: _evaluate(m, b, per_batch=True))
