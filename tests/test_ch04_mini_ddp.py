@@ -178,3 +178,8 @@ def test_rejects_usual_mistakes(wrong, message):
 def test_exercise_stub_is_not_done():
     with pytest.raises(CheckFailed, match=r"not done yet.*04\.b mini DDP"):
         check_mini_ddp(exercise.DDPIndividualParameters)
+
+
+def test_none_is_rejected_clearly():
+    with pytest.raises(CheckFailed, match=r"expected the class DDPIndividualParameters\(module\), got None"):
+        check_mini_ddp(None)

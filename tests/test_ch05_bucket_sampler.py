@@ -177,3 +177,16 @@ def test_stub_is_not_done():
 
     with pytest.raises(CheckFailed, match=r"not done yet"):
         check_bucket_sampler(Stub)
+
+
+def test_none_and_single_indices_are_rejected_clearly():
+    with pytest.raises(CheckFailed, match=r"got None"):
+        check_bucket_sampler(None)
+
+    class YieldsIndices(Right):
+        def __iter__(self):
+            for batch in super().__iter__():
+                yield from batch
+
+    with pytest.raises(CheckFailed, match=r"yielded \d+, a single index; a batch sampler yields lists"):
+        check_bucket_sampler(YieldsIndices)
