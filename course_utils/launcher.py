@@ -285,8 +285,16 @@ def _worker_main(
         linecache.cache[name] = (len(text), None, text.splitlines(True), name)
 
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    # torch read TORCH_DISTRIBUTED_DEBUG when the fork server imported it: read it again now.
+    dist.set_debug_level_from_env()
+    # Children of this worker (DataLoader workers) start the way they would under torchrun: the
+    # platform's default method, not the fork server this worker came from.
+    import multiprocessing as _mp
+
+    _mp.set_start_method("fork" if sys.version_info < (3, 14) else "forkserver", force=True)
 
     status: tuple
     try:

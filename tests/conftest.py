@@ -7,16 +7,22 @@ import pytest
 
 
 def _descendants() -> set[int]:
+    """Every process below this one, except the launcher's long-lived helpers.
+
+    The fork server and its resource tracker are started once and live as long as the test
+    process: they are direct children of it.  Workers are forked *from* the fork server (same
+    command line, one level further down), so they are counted.
+    """
     me = psutil.Process()
     out = set()
     for p in me.children(recursive=True):
         try:
-            # The fork server and its resource tracker live as long as the test process: not leaks.
-            if any(s in " ".join(p.cmdline()) for s in ("forkserver", "resource_tracker")):
-                continue
+            helper = p.ppid() == me.pid and any(
+                s in " ".join(p.cmdline()) for s in ("forkserver", "resource_tracker"))
         except psutil.Error:
             continue
-        out.add(p.pid)
+        if not helper:
+            out.add(p.pid)
     return out
 
 

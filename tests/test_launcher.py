@@ -339,3 +339,40 @@ def test_backend_choice_on_cpu_and_with_enough_gpus(monkeypatch, capsys):
 def test_run_commands_kills_the_whole_tree_on_timeout():
     res = run_commands({"sleepy": ["bash", "-c", "sleep 300 & sleep 300"]}, timeout=1, echo=False)
     assert res[0].timed_out and res[0].returncode is None
+
+
+def test_workers_see_debug_level_and_default_start_method():
+    import multiprocessing
+
+    def work():
+        return str(dist.get_debug_level()), multiprocessing.get_start_method()
+
+    out = launch(work, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    expected_method = "fork" if sys.version_info < (3, 14) else "forkserver"
+    assert out == [("DebugLevel.DETAIL", expected_method)] * 2
+
+
+def test_leftover_fixture_counts_workers_but_not_the_fork_server(tmp_path):
+    """The no_leftover_processes fixture must see a running worker (it shares the fork server's
+    command line) while ignoring the fork server itself."""
+    import conftest
+
+    launch(lambda: None, 1)  # the fork server is up, and is not counted
+    assert conftest._descendants() == set()
+    marker = tmp_path / "pid"
+
+    def slow():
+        marker.write_text(str(os.getpid()))
+        time.sleep(3)
+
+    t = threading.Thread(target=launch, args=(slow, 1))
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (marker.exists() and marker.read_text()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert int(marker.read_text()) in conftest._descendants()
+    finally:
+        t.join()
+    assert conftest._descendants() == set()
