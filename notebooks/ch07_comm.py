@@ -9,7 +9,8 @@ counts each call and its bytes, then does the real work through another hook (by
     stats = count_allreduces(ddp_model, fp16_compress_hook)    # gradient compression
 
 ``stats.calls`` counts bucket all-reduces, ``stats.bucket_bytes`` the gradient bytes DDP handed
-over, ``stats.sent_bytes`` and ``stats.dtypes`` what the inner hook really all-reduced.
+over, ``stats.sent_bytes`` and ``stats.dtypes`` what the inner hook really passed to
+``dist.all_reduce`` (wrapped once per process for this) until its result was ready.
 A hook must be registered before the first backward pass, and only once per model.
 
 Free a DDP model (``del model``) *before* calling ``dist.destroy_process_group()``: a DDP model
@@ -44,27 +45,50 @@ class CommStats:
                 "sent_bytes": self.sent_bytes, "dtypes": sorted(self.dtypes)}
 
 
+# CommStats of the buckets being all-reduced right now (from the hook's call until its future
+# completes), and dist.all_reduce wrapped once per process to add each tensor sent to them.
+# The window must last until the future completes: some hooks (PowerSGD) start further
+# all-reduces from callbacks, after the hook itself has returned.
+_in_flight: list = []
+
+
+def _watch_all_reduce() -> None:
+    if getattr(dist.all_reduce, "_counts_bytes", False):
+        return
+    real_all_reduce = dist.all_reduce
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any):
+        for stats in {id(s): s for s in _in_flight}.values():
+            stats.sent_bytes += tensor.numel() * tensor.element_size()
+            stats.dtypes.add(str(tensor.dtype).replace("torch.", ""))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    all_reduce._counts_bytes = True
+    dist.all_reduce = all_reduce
+
+
 def counting_hook(stats: CommStats, inner: Callable = allreduce_hook, inner_state: Any = None):
     """A DDP communication hook that records each bucket, then lets ``inner`` all-reduce it."""
+    _watch_all_reduce()
 
     # DDP checks these two annotations, so they must be real types (no postponed annotations).
     def hook(_state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         stats.calls += 1
         stats.bucket_bytes += buf.numel() * buf.element_size()
-        # Watch what the inner hook sends: wrap dist.all_reduce while it runs.
-        real_all_reduce = dist.all_reduce
+        _in_flight.append(stats)
 
-        def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any):
-            stats.sent_bytes += tensor.numel() * tensor.element_size()
-            stats.dtypes.add(str(tensor.dtype).replace("torch.", ""))
-            return real_all_reduce(tensor, *args, **kwargs)
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            try:
+                return fut.value()
+            finally:
+                _in_flight.remove(stats)
 
-        dist.all_reduce = spy
         try:
-            return inner(inner_state, bucket)
-        finally:
-            dist.all_reduce = real_all_reduce
+            return inner(inner_state, bucket).then(done)
+        except BaseException:
+            _in_flight.remove(stats)
+            raise
 
     return hook
 
