@@ -5,7 +5,7 @@ be compared across chapters: chapter 01's single-process run is the reference fo
 
 - ``make_dataset``: 10-class points in 32 dimensions; the classes are curved clusters, so a linear
   model is not enough but a small MLP learns them within a few epochs.
-- ``CourseModel``: a 3-layer MLP (about 77k parameters), optionally with BatchNorm.
+- ``CourseModel``: a 3-layer MLP (45,322 parameters), optionally with BatchNorm.
 - ``make_sequences``: variable-length token sequences for the data-loading chapter.
 """
 

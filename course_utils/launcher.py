@@ -730,6 +730,11 @@ def _tidy_stack(text: str) -> str:
         code = linecache.getline(m.group(1), int(m.group(2))).strip() if m else ""
         if code:
             keep.append(f"    {code}")
+    if main and len(keep) == 1:  # no frame of the user's code is left
+        keep = [line.strip() for line in main[0].splitlines() if 'File "' in line]
+        keep.append("(no frame of your function: it had returned, and the worker hung while its "
+                    "objects were freed. A DDP model still alive after destroy_process_group() "
+                    "does this: `del model` before destroying the group.)")
     return "\n".join(keep)
 
 
