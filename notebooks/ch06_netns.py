@@ -67,7 +67,12 @@ def unavailable_reason():
     if r.returncode:
         return (f"`ip netns add` failed: {r.stderr.strip()} (a container started without "
                 "CAP_SYS_ADMIN and CAP_NET_ADMIN cannot make namespaces)")
-    _ip("netns", "del", probe, check=False)
+    try:
+        r = subprocess.run(["ip", "netns", "exec", probe, "true"], capture_output=True, text=True)
+        if r.returncode:
+            return f"`ip netns exec` failed: {r.stderr.strip()}"
+    finally:
+        _ip("netns", "del", probe, check=False)
     return None
 
 
