@@ -487,6 +487,11 @@ def launch(
     if env:
         base_env.update({k: str(v) for k, v in env.items()})
     base_env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_worker(world)))
+    # init_process_group returns on one rank before the others have finished connecting; a rank
+    # that then leaves at once (no collective, destroy_process_group) makes gloo's connectFullMesh
+    # fail on the slower rank with "Connection closed by peer".  The store-based barrier that
+    # torch runs at the end of init when this is 1 closes that race, for one store round trip.
+    base_env.setdefault("TORCH_DIST_INIT_BARRIER", "1")
     base_env["MPLBACKEND"] = "Agg"
     base_env["PYTHONUNBUFFERED"] = "1"
 
