@@ -13,6 +13,7 @@ import argparse
 import os
 
 import torch
+import torch._dynamo  # noqa: F401  before init_process_group: see the note in the notebook, section 1
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
