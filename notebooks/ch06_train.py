@@ -26,6 +26,7 @@ import socket
 import sys
 
 import torch
+import torch._dynamo  # noqa: F401  imported before init_process_group (DDP imports it otherwise): see chapter 04
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record

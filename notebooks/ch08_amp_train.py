@@ -14,6 +14,7 @@ import contextlib
 import os
 
 import torch
+import torch._dynamo  # noqa: F401  imported before init_process_group (DDP imports it otherwise): see chapter 04
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
