@@ -3,9 +3,7 @@ with a message that names the mistake."""
 
 from __future__ import annotations
 
-import os
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,26 +19,8 @@ from course_utils.checks import (check_checkpoint_collective, check_distributed_
 HANG = 4  # seconds: only for the answers that are expected to hang
 
 
-def _workers() -> list:
-    """Processes below this one's children: launch workers (children of the fork server)."""
-    me = os.getpid()
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.ppid() != me and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
-@pytest.fixture(autouse=True)
-def no_worker_left():
-    yield
-    deadline = psutil.time.time() + 10
-    while _workers() and psutil.time.time() < deadline:
-        psutil.time.sleep(0.1)
-    assert not _workers(), "a test left worker processes running"
+# Every test here must leave no worker behind (the shared fixture in conftest.py).
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 # ---- 09.a ----------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import socket
 import time
 from datetime import timedelta
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,25 +23,8 @@ from course_utils.data import make_dataset, make_model
 HANG = 3.0  # seconds before a lab is declared hung (the hang itself is the point)
 
 
-def _workers() -> list:
-    me = os.getpid()
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.ppid() != me and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
-@pytest.fixture(autouse=True)
-def no_worker_left():
-    yield
-    deadline = time.time() + 10
-    while _workers() and time.time() < deadline:
-        time.sleep(0.1)
-    assert not _workers(), "a fault lab left worker processes running"
+# Every test here must leave no worker behind (the shared fixture in conftest.py).
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 # ---- 1. hang at initialisation ---------------------------------------------------------------
