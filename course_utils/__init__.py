@@ -14,13 +14,12 @@ One module per job:
 - ``doctor``     the environment self-check (``python -m course_utils.doctor``)
 """
 
+# `course_utils.progress()` shows the learner's table; the module itself is callable for that.
+from . import progress  # noqa: E402
 from .checking import CheckFailed
 from .devices import backend_and_device, choose_backend
 from .launcher import CommandFailed, WorkerError, WorkerTimeout, free_port, launch, run_commands
 from .monitor import report
-
-# `course_utils.progress()` shows the learner's table; the module itself is callable for that.
-from . import progress  # noqa: E402
 
 __all__ = [
     "launch",

@@ -8,7 +8,8 @@ what came out, on which rank, and what the usual mistake is.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 

@@ -33,7 +33,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -110,7 +111,7 @@ def check_port_open(host: str, port: int, timeout: float = 1.0) -> Check:
     except ConnectionRefusedError:
         return Check(False, what, "connection refused: the host answered but nothing listens on "
                      "this port (wrong MASTER_PORT, or rank 0 is not running yet / any more)")
-    except socket.timeout:
+    except TimeoutError:
         return Check(False, what, f"no answer within {timeout:g} s: wrong MASTER_ADDR, the host "
                      "is down, or a firewall drops the packets")
     except socket.gaierror as e:
@@ -362,7 +363,7 @@ class NaNWatcher:
                                          f"({entry[1]}) on rank {rank}")
         return hook
 
-    def __enter__(self) -> "NaNWatcher":
+    def __enter__(self) -> NaNWatcher:
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_hook(self._hook(name)))
         return self

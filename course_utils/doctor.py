@@ -13,7 +13,7 @@ import os
 import platform
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["Result", "run_checks", "main"]
 

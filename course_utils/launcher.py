@@ -43,7 +43,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = [
     "launch",
@@ -470,7 +471,6 @@ def launch(
         raise TypeError(f"launch() needs a function to run, got {type(fn).__name__}")
     if nprocs < 1 or nnodes < 1:
         raise ValueError("nprocs and nnodes must be at least 1")
-    import cloudpickle
     import torch.distributed as dist
 
     try:
@@ -618,7 +618,7 @@ def _unregister(sel, fd: int) -> None:
         sel.unregister(fd)
 
 
-def _handle(r: _Rank, name: str, fd: int, sel, live: "_DisplayHolder") -> None:
+def _handle(r: _Rank, name: str, fd: int, sel, live: _DisplayHolder) -> None:
     if fd not in sel.get_map():
         return  # already finished earlier in this batch of events
     if name == "exit":
@@ -682,7 +682,7 @@ def _emit(rank: int, name: str, data: bytes) -> None:
     stream.flush()
 
 
-def _drain(ranks: list[_Rank], sel, live: "_DisplayHolder", limit: float) -> None:
+def _drain(ranks: list[_Rank], sel, live: _DisplayHolder, limit: float) -> None:
     """Read what is left in the pipes of exited workers, for at most ``limit`` seconds."""
     end = time.monotonic() + limit
     while time.monotonic() < end:
@@ -693,7 +693,7 @@ def _drain(ranks: list[_Rank], sel, live: "_DisplayHolder", limit: float) -> Non
             _handle(r, name, key.fd, sel, live)
 
 
-def _collect_stacks(ranks: list[_Rank], sel, live: "_DisplayHolder") -> dict[int, RankFailure]:
+def _collect_stacks(ranks: list[_Rank], sel, live: _DisplayHolder) -> dict[int, RankFailure]:
     """Ask every running rank for its Python stacks (faulthandler on SIGUSR1), wait briefly."""
     stuck = [r for r in ranks if not r.exited and r.proc.exitcode is None]
     for r in stuck:

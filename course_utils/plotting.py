@@ -5,7 +5,8 @@ Chapter-specific plots live in their notebooks, where the learner can read and c
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["explore", "has_widget_frontend"]
 
@@ -37,7 +38,7 @@ def explore(run: Callable[..., Any], *, title: str = "", **controls: Any) -> Any
                 raise ValueError(f"explore(): no choices for {name!r}")
             defaults[name] = spec[0]
         else:
-            defaults[name] = getattr(spec, "value")
+            defaults[name] = spec.value
     if not has_widget_frontend():
         return run(**defaults)
 

@@ -39,8 +39,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["record", "load", "progress_file", "known_exercises", "rows", "table", "show",
            "ProgressWarning", "Row"]

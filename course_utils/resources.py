@@ -188,7 +188,7 @@ class ResourceSampler:
         return "nvml" if self._nv is not None else "cpu"
 
     # ---- start / stop ---------------------------------------------------------------------
-    def start(self) -> "ResourceSampler":
+    def start(self) -> ResourceSampler:
         if self._thread is not None:
             raise RuntimeError("this ResourceSampler is already running")
         import psutil
@@ -201,7 +201,7 @@ class ResourceSampler:
         self._thread.start()
         return self
 
-    def stop(self) -> "ResourceSampler":
+    def stop(self) -> ResourceSampler:
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=max(5.0, 5 * self.interval))
@@ -209,7 +209,7 @@ class ResourceSampler:
             self._sample()  # a last sample at the end of the block
         return self
 
-    def __enter__(self) -> "ResourceSampler":
+    def __enter__(self) -> ResourceSampler:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

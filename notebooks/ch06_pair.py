@@ -29,7 +29,7 @@ def probe(addr, port, timeout=2.0):
     except ConnectionRefusedError:
         return (f"refused after {time.monotonic() - t0:.3f} s: the host answered, but nothing "
                 "listens on that port (or a firewall rejects it)")
-    except socket.timeout:
+    except TimeoutError:
         return (f"no answer within {timeout:g} s: a wrong address, a host that is down, or a "
                 "firewall that drops packets")
     except OSError as e:

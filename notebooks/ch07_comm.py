@@ -20,7 +20,8 @@ hook, in roughly one exit in four.
 """
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

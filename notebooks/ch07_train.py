@@ -17,11 +17,11 @@ import torch
 import torch._dynamo  # noqa: F401  imported before init_process_group (DDP imports it otherwise): see chapter 04
 import torch.distributed as dist
 import torch.nn.functional as F
+from ch07_comm import count_allreduces
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import course_utils
 from course_utils.data import make_dataset, make_model
-from ch07_comm import count_allreduces
 
 
 def accumulation_step(model, optimizer, micro_batches, *, use_no_sync=True):

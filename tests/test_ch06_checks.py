@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from course_utils.checking import CheckFailed
-from course_utils.checks import check_launch_commands, check_resumable
-from course_utils.checks import ch06
+from course_utils.checks import ch06, check_launch_commands, check_resumable
 
 # --------------------------------------------------------------------------------------------
 # 06.a launch commands

@@ -3,7 +3,6 @@ with a message that names the mistake."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,9 +11,14 @@ from torch.distributed.algorithms.join import Join
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from course_utils.checking import CheckFailed
-from course_utils.checks import (check_checkpoint_collective, check_distributed_loader,
-                                 check_eval_no_leak, check_metrics_sync, check_nan_skip_step,
-                                 check_uneven_join)
+from course_utils.checks import (
+    check_checkpoint_collective,
+    check_distributed_loader,
+    check_eval_no_leak,
+    check_metrics_sync,
+    check_nan_skip_step,
+    check_uneven_join,
+)
 
 HANG = 4  # seconds: only for the answers that are expected to hang
 

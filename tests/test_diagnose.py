@@ -13,7 +13,6 @@ from torch.utils.data import DataLoader
 from course_utils import diagnose, free_port
 from course_utils.launcher import RankFailure, WorkerError, WorkerTimeout
 
-
 # ---- start-up checks -------------------------------------------------------------------------
 
 

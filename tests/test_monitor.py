@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-import course_utils
 from course_utils import launch, launcher, monitor, report
 from course_utils.launcher import RankFailure, WorkerError, WorkerTimeout
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ class _Guard:
         self.recvs = 0
         self._saved: list[tuple[Any, str, Any]] = []
 
-    def __enter__(self) -> "_Guard":
+    def __enter__(self) -> _Guard:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 

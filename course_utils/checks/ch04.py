@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

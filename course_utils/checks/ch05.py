@@ -12,7 +12,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..checking import CheckFailed, checker, require_callable
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import math
 import traceback
-from typing import Any
 
 import torch
 
@@ -197,7 +196,7 @@ def check_amp_step(fn, *, amp_dtype: torch.dtype = torch.float16, timeout: float
         for mistake, params in r0["mistakes"].items():
             if _close(params, got):
                 raise CheckFailed(head + "Usual mistake: " + _MISTAKE_TEXT[mistake])
-        raise CheckFailed(head + f"Usual mistake: clipping with a max_norm other than the one "
+        raise CheckFailed(head + "Usual mistake: clipping with a max_norm other than the one "
                           "given, a different loss, or no optimizer.zero_grad().")
     before = r0["steps"][OVERFLOW_STEP - 1]
     after = r0["steps"][OVERFLOW_STEP]
