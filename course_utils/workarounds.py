@@ -7,8 +7,6 @@ under ``torchrun`` calls :func:`apply_all` once, before ``init_process_group``.
 
 from __future__ import annotations
 
-import torch
-
 __all__ = ["apply_all", "import_dynamo_before_init"]
 
 
@@ -26,5 +24,4 @@ def import_dynamo_before_init() -> None:
 
 def apply_all() -> None:
     """Apply every workaround this torch needs; cheap to call more than once."""
-    if torch.__version__ >= "2":  # every version the course supports
-        import_dynamo_before_init()
+    import_dynamo_before_init()
