@@ -3,33 +3,61 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import resource
 import subprocess
 import sys
+import time
 
+import course_utils
 from course_utils import doctor
 
 
-def test_doctor_passes_on_this_machine():
+def test_doctor_passes_on_this_machine_and_ends_with_the_room_line():
+    quiet = os.getloadavg()[0] < (os.cpu_count() or 1)
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "course_utils.doctor"], capture_output=True, text=True,
                        timeout=120)
+    wall = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "[OK] worker launch: 2 workers ran an all_reduce" in p.stdout
     assert "[FAIL]" not in p.stdout
     assert "FutureWarning" not in p.stderr  # no deprecated pynvml shim next to torch
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("ROOM: READY for every chapter on CPU; GPU parts: "), last
+    # Under 10 s: the work it does (CPU seconds of it and its workers) always; the wall time only
+    # when the machine was not busy with other programs (a loaded machine slows everything).
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    assert cpu < 10, f"the doctor used {cpu:.1f} CPU seconds"
+    if quiet:
+        assert wall < 10, f"the doctor took {wall:.1f} s on a quiet machine"
+
+
+def test_room_line_names_the_failures_and_the_gpus(monkeypatch):
+    ok = [doctor.Result("OK", "torch", "2.13"), doctor.Result("INFO", "GPUs", "none")]
+    monkeypatch.setattr(doctor, "_gpu_count", lambda: 0)
+    assert doctor.room_line(ok, 6.2) == ("ROOM: READY for every chapter on CPU; GPU parts: no GPU, "
+                                         "their CPU versions run (checked in 6 s)")
+    monkeypatch.setattr(doctor, "_gpu_count", lambda: 1)
+    assert "GPU parts: 1 GPU; the two-rank demos need one GPU per rank" in doctor.room_line(ok)
+    bad = ok + [doctor.Result("FAIL", "worker launch", "refused"), doctor.Result("FAIL", "NVML", "x")]
+    assert doctor.room_line(bad) == "ROOM: NOT READY: fix the [FAIL] line(s) above (worker launch, NVML)"
 
 
 def test_broken_launch_is_a_fail_line_with_advice(monkeypatch, capsys):
-    import course_utils.launcher as launcher
-
     def broken(*a, **k):
         raise OSError("address already in use")
 
-    monkeypatch.setattr(launcher, "launch", broken)
+    monkeypatch.setattr(course_utils, "launch", broken)
     monkeypatch.setattr(doctor, "CHECKS", [doctor._launch])
     assert doctor.main() == 1
     out = capsys.readouterr().out
     assert "[FAIL] worker launch: OSError: address already in use" in out
     assert "restart the kernel" in out
+    assert out.strip().splitlines()[-1].startswith("ROOM: NOT READY: fix the [FAIL] line(s) above "
+                                                   "(worker launch) (checked in ")
 
 
 def test_deprecated_pynvml_package_is_reported(monkeypatch):
