@@ -379,10 +379,29 @@ class NaNWatcher:
 # --------------------------------------------------------------------------------------------
 
 
-def timed_barrier(group: Any = None) -> float:
-    """Seconds this rank waited in ``dist.barrier()``: long for early ranks, ~0 for the last one."""
+def _group_device(group: Any = None) -> torch.device:
+    """The device that collectives of ``group`` need their tensors on: this rank's GPU under
+    NCCL (which has no CPU tensors), the CPU under gloo."""
     import torch.distributed as dist
 
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def timed_barrier(group: Any = None) -> float:
+    """Seconds this rank waited in ``dist.barrier()``: long for early ranks, ~0 for the last one.
+
+    On a GPU, work is queued and runs later: the Python line of a training step returns long
+    before the GPU has done it.  So the clock starts only after ``torch.cuda.synchronize()``, when
+    this rank's own queued GPU work has finished; a rank with a slow GPU then "arrives" late, as it
+    should, instead of arriving early and waiting for its own kernels inside the barrier.
+    """
+    import torch.distributed as dist
+
+    device = _group_device(group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     dist.barrier(group=group)
     return time.perf_counter() - start
@@ -392,10 +411,12 @@ def barrier_waits(group: Any = None) -> list[float]:
     """Every rank's wait at a barrier, on every rank.  The smallest wait is the straggler's.
 
     A collective.  Call it right after the work you suspect (a training step, a data load).
+    The waits are gathered in a tensor on the group's device (the rank's GPU under NCCL).
     """
     import torch.distributed as dist
 
-    wait = torch.tensor([timed_barrier(group)], dtype=torch.float64)
+    device = _group_device(group)
+    wait = torch.tensor([timed_barrier(group)], dtype=torch.float64, device=device)
     out = [torch.zeros_like(wait) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, wait, group=group)
     return [float(t) for t in out]

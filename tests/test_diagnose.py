@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from course_utils import diagnose, free_port
-from course_utils.launcher import RankFailure, WorkerError, WorkerTimeout
+from course_utils import RankFailure, WorkerError, WorkerTimeout
 
 # ---- start-up checks -------------------------------------------------------------------------
 
@@ -204,3 +204,45 @@ def test_quiet_cpp_logs_filters_frames_and_repeats(capfd):
                                 "second message", "... (2 more log line(s) hidden)"]
     os.write(2, b"after\n")
     assert capfd.readouterr().err == "after\n"  # stderr restored
+
+
+# ---- stragglers ----------------------------------------------------------------------------
+
+
+def _waits_worker(slow_rank: int):
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        device = diagnose._group_device()
+        time.sleep(1.0 if dist.get_rank() == slow_rank else 0.0)
+        waits = diagnose.barrier_waits()
+    finally:
+        dist.destroy_process_group()
+    return str(device), waits
+
+
+def test_barrier_waits_on_gloo_gathers_every_ranks_wait():
+    from course_utils import launch
+
+    (dev0, waits0), (dev1, waits1) = launch(_waits_worker, 2, args=(1,), timeout=60)
+    assert dev0 == dev1 == "cpu"  # gloo: the gathered tensor stays on the CPU
+    assert waits0 == waits1 and len(waits0) == 2  # the same list on every rank
+    assert waits0[0] > 0.5 and waits0[1] < waits0[0]  # rank 0 waited for the slow rank 1
+
+
+def test_timed_barrier_synchronises_the_gpu_before_starting_the_clock(monkeypatch):
+    """The NCCL path without a GPU: the tensor goes to this rank's GPU, and queued GPU work is
+    waited for before the clock starts (not inside the timed barrier)."""
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", device)))
+    monkeypatch.setattr(dist, "barrier", lambda group=None: calls.append(("barrier", group)))
+    assert diagnose._group_device() == torch.device("cuda", 1)
+    assert diagnose.timed_barrier() >= 0
+    assert calls == [("sync", torch.device("cuda", 1)), ("barrier", None)]
