@@ -94,7 +94,7 @@ def main() -> None:
     import torch
 
     from course_utils import launch
-    from course_utils.launcher import cpu_threads_per_worker
+    from course_utils.workers.budget import cpu_threads_per_worker
 
     variants = ["never", "every step, text", "every step, widgets"]
     print(f"chapter 01 training in 2 workers: {args.steps} steps of batch 64 per rank, "

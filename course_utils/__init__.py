@@ -2,36 +2,47 @@
 
 One module per job:
 
-- ``launcher``   run a function in real worker processes from a notebook (``launch``, errors)
-- ``devices``    pick gloo or NCCL and this rank's device
-- ``checking``   ``CheckFailed`` and the comparison helpers every checker uses
-- ``checks``     the exercise checkers, one module per chapter
-- ``data``       the course's synthetic data set and model
-- ``monitor``    ``report()`` from workers, the live display, GPU/CPU samplers
-- ``plotting``   the course's plots
-- ``exercises``  generate ``exercises/`` from ``solutions/``
-- ``progress``   the learner's pass/fail table
-- ``doctor``     the environment self-check (``python -m course_utils.doctor``)
+- ``workers``     real worker processes: ``launch`` (``workers.supervisor``), ``run_commands``
+                  (``workers.commands``), the errors they raise, the report channel, the thread budget
+- ``devices``     pick gloo or NCCL and this rank's device
+- ``checking``    ``CheckFailed``, the harness that runs learner code in workers, comparators
+- ``checks``      the exercise checkers, one module per chapter
+- ``data``        the course's synthetic data sets and models
+- ``monitor``     ``report()`` from workers, the live display, GPU/CPU samplers
+- ``explore``     ``explore()``: re-run a measurement with widgets to change its parameters
+- ``exercises``   generate ``exercises/`` from ``solutions/``
+- ``progress``    the learner's pass/fail table (``show_progress()``; ``python -m course_utils.progress``)
+- ``diagnose``    tools of the troubleshooting chapter (reachability, stragglers, duplicates, stacks)
+- ``resources``   CPU/GPU memory and utilisation samplers
+- ``doctor``      the environment self-check (``python -m course_utils.doctor``)
+- ``workarounds`` workarounds for bugs of the installed torch, each with its upstream issue
 """
 
-# `course_utils.progress()` shows the learner's table; the module itself is callable for that.
-from . import progress  # noqa: E402
 from .checking import CheckFailed
 from .devices import backend_and_device, choose_backend
-from .launcher import CommandFailed, WorkerError, WorkerTimeout, free_port, launch, run_commands
 from .monitor import report
+from .progress import show as show_progress
+from .workers.commands import CommandFailed, CommandResult, run_commands
+from .workers.errors import RankFailure, WorkerError, WorkerTimeout
+from .workers.prewarm import start_in_background as _prewarm
+from .workers.supervisor import free_port, launch
 
 __all__ = [
     "launch",
     "WorkerError",
     "WorkerTimeout",
+    "RankFailure",
     "free_port",
     "run_commands",
+    "CommandResult",
     "CommandFailed",
     "CheckFailed",
     "backend_and_device",
     "choose_backend",
     "report",
-    "progress",
+    "show_progress",
 ]
 
+# In a notebook kernel, start the fork server now, in the background: the first launch is then as
+# quick as the following ones (see workers/prewarm.py; elsewhere this does nothing).
+_prewarm()

@@ -10,4 +10,4 @@ import torch.distributed  # noqa: F401
 import torch.nn  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
-import course_utils.launcher  # noqa: F401
+import course_utils.workers.entry  # noqa: F401

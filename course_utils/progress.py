@@ -7,7 +7,7 @@ The results live in one small JSON file in the learner's course folder, never on
 - ``<course folder>/progress/progress.json`` (the folder holding ``course_utils/``; ``/progress/``
   is in ``.gitignore``), or ``./progress/progress.json`` when the package is installed elsewhere.
 
-Show it with ``python -m course_utils.progress`` or ``course_utils.progress()`` in a notebook:
+Show it with ``python -m course_utils.progress`` or ``course_utils.show_progress()`` in a notebook:
 one row per exercise of every chapter (found in the ``@checker("NN.x name")`` decorators of
 ``course_utils/checks/ch*.py``, so exercises not tried yet are listed too).  An exercise counts as
 *passed* once any attempt passed (a later failing run, say of the untouched exercise notebook,
@@ -396,20 +396,6 @@ def main(argv: list[str] | None = None) -> int:
         show(args.file)
     return 0
 
-
-class _CallableModule(type(sys)):
-    """``course_utils.progress()`` must keep working after this module is imported.
-
-    The package's ``__init__`` defines a function ``progress()``; importing this submodule (as
-    every checker does) makes ``course_utils.progress`` name the module instead.  Calling the
-    module shows the table, so both spellings behave the same.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        return show(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

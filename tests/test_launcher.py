@@ -379,13 +379,13 @@ def test_leftover_fixture_counts_workers_but_not_the_fork_server(tmp_path):
 
 
 def test_stack_of_a_hang_after_return_still_says_something():
-    from course_utils.launcher import _tidy_stack
+    from course_utils.workers.supervisor import tidy_stack
 
     raw = ('Current thread 0x00007f (most recent call first):\n'
-           '  File "/x/course_utils/launcher.py", line 240 in _worker_main\n'
+           '  File "/x/course_utils/workers/entry.py", line 240 in worker_main\n'
            '  File "/usr/lib/python3.11/multiprocessing/process.py", line 108 in run\n')
-    text = _tidy_stack(raw)
-    assert "_worker_main" in text and "del model" in text
+    text = tidy_stack(raw)
+    assert "worker_main" in text and "del model" in text
 
 
 def test_init_is_a_barrier_so_a_rank_leaving_at_once_cannot_break_the_others():

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from course_utils import launch, launcher, monitor, report
-from course_utils.launcher import RankFailure, WorkerError, WorkerTimeout
+from course_utils import RankFailure, WorkerError, WorkerTimeout, launch, monitor, report
+from course_utils.workers import reports
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -71,8 +71,7 @@ def burst_then_wait(n: int, pad: int, wait: float) -> dict:
         report(step=i + 1, total=n, loss=float(i), note=note)
     loop_s = time.perf_counter() - t0
     time.sleep(wait)
-    return {"loop_s": loop_s, "dropped": launcher._report_state["dropped"],
-            "blocking": os.get_blocking(launcher._REPORT_FD)}
+    return {"loop_s": loop_s, "dropped": reports.stats()["dropped"], "in_worker": reports.in_worker()}
 
 
 def dies_at(step_to_die: int, how: str, n: int = 100, flag: str = "") -> None:
@@ -154,14 +153,13 @@ def test_send_report_never_blocks_and_keeps_the_last_report(monkeypatch):
     try:
         fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)  # the smallest pipe: fills after ~60 reports
         os.set_blocking(w, False)
-        monkeypatch.setattr(launcher, "_REPORT_FD", w)
-        monkeypatch.setattr(launcher, "_REPORT_PIPE_BYTES", (4096,))
-        monkeypatch.setitem(launcher._report_state, "fd", None)
+        monkeypatch.setattr(reports, "PIPE_SIZES", (4096,))
+        reports.open_channel(w)
         n = 2000
         # nobody reads: a blocking write would hang here for ever
-        written = [launcher.send_report({"step": i + 1, "loss": 0.5}) for i in range(n)]
+        written = [reports.send_report({"step": i + 1, "loss": 0.5}) for i in range(n)]
         assert written[0] and not all(written), "the pipe never filled: the test proves nothing"
-        assert launcher._report_state["dropped"] > 0
+        assert reports.stats()["dropped"] > 0
         # now the notebook reads: everything it gets is in order, and the last report arrives
         # (written by the flusher thread once there is room)
         got, data, deadline = [], b"", time.monotonic() + 10
@@ -176,11 +174,9 @@ def test_send_report_never_blocks_and_keeps_the_last_report(monkeypatch):
         steps = [m["step"] for m in got]
         assert steps[-1] == n
         assert steps == sorted(set(steps)), "reports out of order or repeated"
-        flusher = launcher._report_state["flusher"]
-        flusher.join(timeout=5)
-        assert not flusher.is_alive(), "the flusher thread did not end once its report was written"
+        assert reports.wait_flushed(5), "the flusher thread did not end once its report was written"
     finally:
-        launcher._report_state["fd"] = None
+        reports.close_channel()
         os.close(r)
         os.close(w)
 
@@ -222,7 +218,7 @@ def test_a_frozen_notebook_never_blocks_a_worker_and_the_last_report_arrives():
     disp = Recorder(first_delay=freeze)
     results = launch(burst_then_wait, 2, args=(3000, 400, freeze + 1.0), timeout=60, display=disp)
     for rank, res in enumerate(results):
-        assert res["blocking"] is False
+        assert res["in_worker"] is True
         assert res["dropped"] > 0, "the pipe never filled: the test proves nothing"
         # a blocking write would have waited for the frozen notebook
         assert res["loop_s"] < freeze, f"rank {rank}'s report() calls waited for the notebook"
@@ -277,20 +273,20 @@ def test_no_thread_or_process_is_left_behind():
 
 
 # --------------------------------------------------------------------------------------------
-# The launcher's display holder
+# The display guard between the launcher and a display
 # --------------------------------------------------------------------------------------------
 
 
 def test_display_holder_coalesces_a_slow_display_and_finish_delivers_the_last():
     disp = Recorder(delay=0.005)
-    holder = launcher._DisplayHolder(disp, 2)
+    holder = monitor.DisplayGuard(disp, 2)
     t0 = time.monotonic()
     for i in range(1500):
         holder.update(i % 2, {"step": i // 2 + 1})
     elapsed = time.monotonic() - t0
     assert disp.calls < 1500 and holder.coalesced > 0
     # the display got at most its share of the time (plus the one hand-over that crossed it)
-    assert holder._spent <= holder.BUDGET * max(1.0, elapsed) + 0.1
+    assert holder.spent_s <= holder.BUDGET * max(1.0, elapsed) + 0.1
     holder.finish({})
     assert disp.steps(0)[-1] == 750 and disp.steps(1)[-1] == 750
     assert disp.failures == {}
@@ -298,7 +294,7 @@ def test_display_holder_coalesces_a_slow_display_and_finish_delivers_the_last():
 
 def test_display_holder_tells_an_unfinished_display_it_was_interrupted():
     disp = Recorder()
-    holder = launcher._DisplayHolder(disp, 2)
+    holder = monitor.DisplayGuard(disp, 2)
     holder.update(0, {"step": 1})
     holder.close()
     assert sorted(disp.failures) == [0, 1]
@@ -322,7 +318,7 @@ def test_a_broken_display_does_not_break_the_launch():
 
 
 def test_status_lines_name_the_rank_the_step_and_the_failure():
-    st = monitor._RankState()
+    st = monitor.RankState()
     assert monitor.status_line(0, st) == "rank 0: no reports, done"
     st.add({"loss": 1.0}, "loss")
     assert monitor.status_line(0, st) == "rank 0: 1 report, done"
@@ -339,13 +335,13 @@ def test_status_lines_name_the_rank_the_step_and_the_failure():
         assert monitor.status_line(2, st, failure) == f"rank 2: stopped at step 37/50: {why}"
     done = RankFailure(2, "stopped", message="finished, but rank 1 failed")
     assert monitor.status_line(2, st, done) == "rank 2: step 37/50, finished, but rank 1 failed"
-    assert monitor.status_line(3, monitor._RankState(), RankFailure(3, "signal", exitcode=-9)) == \
+    assert monitor.status_line(3, monitor.RankState(), RankFailure(3, "signal", exitcode=-9)) == \
         "rank 3: stopped before its first report: killed by SIGKILL"
 
 
 def test_the_curve_keeps_its_shape_and_its_last_point_when_decimated(monkeypatch):
     monkeypatch.setattr(monitor, "MAX_POINTS", 100)
-    st = monitor._RankState()
+    st = monitor.RankState()
     for i in range(1001):
         st.add({"step": i + 1, "loss": float(i)}, "loss")
     xs, ys = st.points()

@@ -90,10 +90,10 @@ def test_the_course_checkers_are_discovered():
 
 def test_course_utils_progress_and_the_module_entry_point(pfile, capsys):
     progress.record("01.a training step", True)
-    course_utils.progress()  # whether the name is the package's function or this module
+    course_utils.show_progress()
     import course_utils as cu
 
-    cu.progress()
+    cu.show_progress()
     out = capsys.readouterr().out
     assert out.count(f"Course progress ({pfile})") == 2
     res = subprocess.run([sys.executable, "-m", "course_utils.progress"], capture_output=True,

@@ -161,7 +161,7 @@ def _first_diff(got: torch.Tensor, expected: torch.Tensor) -> str:
 def _run(fn: Callable, worlds: Sequence[int], cases: list, forbidden: Sequence[str], mean: bool,
          timeout: float, what: str) -> list[list[dict]]:
     """Launch the cases on each world size; turn worker failures into CheckFailed messages."""
-    from ..launcher import WorkerError, WorkerTimeout, launch
+    from ..workers.supervisor import WorkerError, WorkerTimeout, launch
 
     results = []
     for world in worlds:

@@ -176,7 +176,7 @@ def _hand_allreduce_worker(train_fn: Callable) -> dict:
 @checker("04.a hand-written all-reduce")
 def check_hand_allreduce(train_data_parallel: Callable, *, world_sizes=(2, 3), timeout: float = 120.0) -> None:
     """Run ``train_data_parallel(model, batches, lr)`` on 2 and 3 ranks; compare with torch DDP."""
-    from ..launcher import WorkerTimeout, launch
+    from ..workers.supervisor import WorkerTimeout, launch
 
     require_callable(train_data_parallel, "train_data_parallel(model, batches, lr)")
     for world in world_sizes:
@@ -449,7 +449,7 @@ def check_mini_ddp(DDPIndividualParameters: Any, *, timeout: float = 120.0) -> N
     """Run the learner's wrapper on 3 ranks beside torch DDP; compare states and gradients."""
     import cloudpickle
 
-    from ..launcher import WorkerTimeout, launch
+    from ..workers.supervisor import WorkerTimeout, launch
 
     require_callable(DDPIndividualParameters, "the class DDPIndividualParameters(module)")
     try:

@@ -192,7 +192,7 @@ def _worker(cls_bytes: bytes, lengths: list[int]) -> Any:
 def _check_in_workers(cls: Any, lengths: list[int], timeout: float) -> None:
     import cloudpickle
 
-    from ..launcher import WorkerTimeout, launch
+    from ..workers.supervisor import WorkerTimeout, launch
 
     try:
         payload = cloudpickle.dumps(cls)

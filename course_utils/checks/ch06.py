@@ -152,7 +152,8 @@ def _static_checks(cmds: Any, master_addr: str, port: int, job_id: str, script: 
 @checker("06.a launch commands")
 def check_launch_commands(make_commands: Callable[..., dict]) -> None:
     require_callable(make_commands, "make_commands(master_addr, port, job_id, script, script_args)")
-    from ..launcher import free_port, run_commands
+    from ..workers.commands import run_commands
+    from ..workers.supervisor import free_port
 
     # 1. The cluster of the exercise, read by torchrun's parser.
     args = ["--steps", "100"]
@@ -388,7 +389,7 @@ def _resumable_worker(save_fn: Callable, load_fn: Callable, path: str, attempt: 
 
 def _compare_resumed_run(save_fn: Callable, load_fn: Callable, tmp: str) -> None:
     """Uninterrupted run vs. a run whose rank 1 is killed and then resumed."""
-    from ..launcher import WorkerError, launch
+    from ..workers.supervisor import WorkerError, launch
 
     quiet = {"OMP_NUM_THREADS": "1"}
     ref = launch(_resumable_worker, 2, args=(save_fn, load_fn, os.path.join(tmp, "ref.pt"), 0, -1),

@@ -151,7 +151,7 @@ def check_accumulation_step(fn, *, timeout: float = 90) -> None:
     single process on all 64 samples, with one all-reduce per bucket per optimizer step.
     """
     require_callable(fn, "a function accumulate_and_step(model, optimizer, micro_batches)")
-    from ..launcher import launch
+    from ..workers.supervisor import launch
 
     results = launch(_accumulation_worker, nprocs=WORLD, args=(fn,), timeout=timeout,
                      display=None)

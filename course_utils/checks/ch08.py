@@ -145,7 +145,7 @@ def check_amp_step(fn, *, amp_dtype: torch.dtype = torch.float16, timeout: float
     update) on every rank; the overflow step skipped on *both* ranks and the scale halved once.
     """
     require_callable(fn, "a function amp_step(model, optimizer, scaler, x, y, *, max_norm, amp_dtype)")
-    from ..launcher import launch
+    from ..workers.supervisor import launch
 
     name = str(amp_dtype).replace("torch.", "")
     results = launch(_amp_worker, nprocs=WORLD, args=(fn, name), timeout=timeout, display=None)

@@ -50,7 +50,7 @@ def _run(worker: Callable, args: tuple, *, timeout: float, hang_hint: str,
          error_hint: str = "") -> list[Any]:
     """``launch(worker, WORLD, args)``; hangs and crashes become a CheckFailed that says where."""
     from ..diagnose import _first_lines, stuck_where
-    from ..launcher import WorkerError, WorkerTimeout, launch
+    from ..workers.supervisor import WorkerError, WorkerTimeout, launch
 
     try:
         return launch(worker, nprocs=WORLD, args=args, timeout=timeout, display=None)

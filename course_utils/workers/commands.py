@@ -1,0 +1,167 @@
+"""``run_commands``: run ``torchrun`` (or any command) from a notebook cell, with its whole process tree."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+
+from .errors import indent
+from .lines import LineSplitter
+
+__all__ = ["run_commands", "CommandResult", "CommandFailed", "terminate_trees"]
+
+
+@dataclasses.dataclass
+class CommandResult:
+    """What one command did: its exit code (None when it was killed on timeout) and its output."""
+
+    name: str
+    returncode: int | None
+    output: str
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class CommandFailed(RuntimeError):
+    """A command run by ``run_commands(..., check=True)`` failed or timed out."""
+
+    def __init__(self, results: list[CommandResult]):
+        self.results = results
+        lines = []
+        for r in results:
+            if r.ok:
+                continue
+            why = "timed out" if r.timed_out else f"exited with code {r.returncode}"
+            tail = "\n".join(r.output.rstrip().splitlines()[-15:])
+            lines.append(f"[{r.name}] {why}; last lines:\n{indent(tail)}")
+        super().__init__("\n".join(lines))
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run_commands(
+    commands: dict[str, Sequence[str]] | Sequence[Sequence[str]],
+    *,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    echo: bool = True,
+    check: bool = False,
+    stagger: float = 0.0,
+) -> list[CommandResult]:
+    """Run one or several commands at once (say two ``torchrun`` agents), streaming their output.
+
+    Each output line is printed prefixed with the command's name (``[node0] ...``).  After
+    ``timeout`` seconds, or on KeyboardInterrupt, every command *and every process it started*
+    (torchrun puts its workers in sessions of their own) gets SIGTERM, then SIGKILL.  If the
+    notebook kernel dies, each command receives SIGTERM (``PR_SET_PDEATHSIG``), which torchrun
+    forwards to its workers.  ``env`` adds variables to the current environment.  ``stagger``
+    waits that many seconds between starts (to show, say, that rendezvous waits for everyone).
+    """
+    if not isinstance(commands, dict):
+        commands = {f"cmd{i}": c for i, c in enumerate(commands)}
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if env:
+        full_env.update({k: str(v) for k, v in env.items()})
+    procs: dict[str, subprocess.Popen] = {}
+    outputs: dict[str, list[str]] = {n: [] for n in commands}
+    splitters = {n: LineSplitter() for n in commands}
+    sel = selectors.DefaultSelector()
+    timed_out = False
+    still_running: set[str] = set()
+
+    def emit(name: str, lines: list[str]) -> None:
+        outputs[name].extend(lines)
+        if echo:
+            for line in lines:
+                print(f"[{name}] {line}", flush=True)
+
+    try:
+        for i, (name, cmd) in enumerate(commands.items()):
+            if i and stagger:
+                time.sleep(stagger)
+            p = subprocess.Popen(
+                [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=full_env, cwd=cwd, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            procs[name] = p
+            sel.register(p.stdout, selectors.EVENT_READ, name)
+        deadline = time.monotonic() + timeout
+        while sel.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(timeout=min(remaining, 0.2)):
+                name = key.data
+                data = os.read(key.fd, 65536)
+                if data:
+                    emit(name, splitters[name].feed(data))
+                else:
+                    sel.unregister(key.fileobj)
+                    emit(name, splitters[name].flush())
+        if not timed_out:
+            for p in procs.values():
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        still_running = {n for n, p in procs.items() if p.poll() is None}
+        terminate_trees(list(procs.values()))
+        for p in procs.values():
+            if p.stdout:
+                p.stdout.close()
+        sel.close()
+    results = [
+        CommandResult(n, None if n in still_running else procs[n].returncode,
+                      "\n".join(outputs[n]), n in still_running)
+        for n in procs
+    ]
+    if echo and still_running:
+        print(f"[launcher] timed out after {timeout:g} s: stopped "
+              f"{', '.join(sorted(still_running))} and everything they started", flush=True)
+    if check and any(not r.ok for r in results):
+        raise CommandFailed(results)
+    return results
+
+
+def terminate_trees(procs: list[Any], grace: float = 3.0) -> None:
+    """SIGTERM each process and all its descendants, then SIGKILL whatever is left."""
+    victims: list[psutil.Process] = []
+    for p in procs:
+        try:
+            root = psutil.Process(p.pid)
+            victims += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for v in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            v.terminate()
+    _, alive = psutil.wait_procs(victims, timeout=grace)
+    for v in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            v.kill()
+    psutil.wait_procs(alive, timeout=grace)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.wait(timeout=grace)

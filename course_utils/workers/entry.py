@@ -1,0 +1,119 @@
+"""The first code every worker runs, in the child process forked from the fork server."""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import linecache
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from ..workarounds import apply_all as apply_torch_workarounds
+from . import reports
+
+__all__ = ["worker_main"]
+
+Connection = multiprocessing.connection.Connection
+
+
+def _die_with_launcher(alive_r: Connection) -> None:
+    """When the launcher exits, the write end of this pipe closes: kill this worker's group."""
+    alive_fd = alive_r.fileno()
+
+    def watch() -> None:
+        try:
+            while os.read(alive_fd, 1):
+                pass
+        except OSError:
+            pass
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
+
+
+def _redirect_output(out_w: Connection, err_w: Connection) -> None:
+    """stdout / stderr go to the launcher, line by line."""
+    os.dup2(out_w.fileno(), 1)
+    os.dup2(err_w.fileno(), 2)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), line_buffering=True)
+    out_w.close()
+    err_w.close()
+
+
+def _become_the_kernel(spec: dict) -> None:
+    """Look like the launching kernel: its working directory, import path, environment, cells."""
+    os.chdir(spec["cwd"])
+    sys.path[:] = spec["sys_path"]
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    for name, text in spec["linecache"].items():
+        linecache.cache[name] = (len(text), None, text.splitlines(True), name)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    # torch read TORCH_DISTRIBUTED_DEBUG when the fork server imported it: read it again now.
+    dist.set_debug_level_from_env()
+    # Children of this worker (DataLoader workers) start the way they would under torchrun: the
+    # platform's default method, not the fork server this worker came from.
+    multiprocessing.set_start_method("fork" if sys.version_info < (3, 14) else "forkserver", force=True)
+
+
+def _run(payload: bytes) -> tuple:
+    """``("ok", value)`` or ``("exc", type name, message, traceback)``."""
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        return ("ok", fn(*args, **kwargs))
+    except SystemExit as e:  # sys.exit(0) in a worker counts as success, like under torchrun
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return ("ok", None) if code == 0 else ("exc", "SystemExit", f"exit code {code}", "")
+    except BaseException as e:  # everything must reach the notebook
+        # Drop this bootstrap frame: the learner's code starts one level down.
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+        return ("exc", type(e).__name__, str(e), tb)
+
+
+def worker_main(
+    spec: dict,
+    payload: bytes,
+    out_w: Connection,
+    err_w: Connection,
+    stack_w: Connection,
+    report_w: Connection,
+    result_w: Connection,
+    alive_r: Connection,
+) -> None:
+    """Run one rank: set the process up like a ``torchrun`` worker, run the function, send the result."""
+    os.setpgid(0, 0)  # own process group: the launcher can kill the worker and its children
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook's interrupt is the launcher's job
+    _die_with_launcher(alive_r)
+    _redirect_output(out_w, err_w)
+    # On SIGUSR1 (sent on timeout) dump every thread's Python stack to the stack pipe.
+    faulthandler.register(signal.SIGUSR1, file=os.fdopen(stack_w.fileno(), "w", closefd=False),
+                          all_threads=True)
+    reports.open_channel(report_w.fileno())
+    _become_the_kernel(spec)
+    apply_torch_workarounds()
+
+    status = _run(payload)
+    try:
+        data = cloudpickle.dumps(status)
+    except Exception as e:  # the return value could not be pickled
+        data = cloudpickle.dumps(
+            ("exc", "PicklingError", f"the return value of rank {spec['rank']} cannot be sent "
+             f"back to the notebook ({e}); return tensors, numbers, lists or dicts", "")
+        )
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        result_w.send_bytes(data)
+    finally:
+        os._exit(0)

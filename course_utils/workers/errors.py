@@ -1,0 +1,101 @@
+"""What went wrong in a launch, rank by rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+__all__ = ["RankFailure", "WorkerError", "WorkerTimeout", "indent"]
+
+
+def indent(text: str, prefix: str = "    ") -> str:
+    """Every line of ``text`` with ``prefix`` in front (for nesting output in a message)."""
+    return "\n".join(prefix + line for line in text.rstrip().splitlines())
+
+
+def signal_name(exitcode: int | None) -> str:
+    """``SIGKILL`` for an exit code of -9."""
+    sig = -(exitcode or 0)
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+@dataclasses.dataclass
+class RankFailure:
+    """What happened to one rank that did not return normally.
+
+    ``kind`` is one of ``"exception"`` (the function raised), ``"exit"`` (the process exited
+    without a result), ``"signal"`` (it was killed), ``"timeout"`` (still running at the deadline;
+    ``stack`` says where) or ``"stopped"`` (the launcher killed it because another rank failed).
+    """
+
+    rank: int
+    kind: str
+    exc_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    exitcode: int | None = None
+    stack: str = ""
+
+    def short(self) -> str:
+        """A few words for a status line: ``raised ValueError``, ``killed by SIGKILL``..."""
+        if self.kind == "exception":
+            return f"raised {self.exc_type}"
+        if self.kind == "signal":
+            return f"killed by {signal_name(self.exitcode)}"
+        if self.kind == "exit":
+            return f"exited with code {self.exitcode}"
+        if self.kind == "timeout":
+            return "still running when the launch timed out"
+        return self.message or self.kind or "stopped"
+
+    @property
+    def finished_anyway(self) -> bool:
+        """Stopped by the launcher although it had already returned (another rank failed)."""
+        return self.kind == "stopped" and self.message.startswith("finished")
+
+    def describe(self) -> str:
+        """The full account: the exception with its traceback, the signal, or the hung stack."""
+        if self.kind == "exception":
+            head = f"rank {self.rank} raised {self.exc_type}: {self.message}"
+            return head + ("\n" + indent(self.traceback) if self.traceback else "")
+        if self.kind == "signal":
+            name = signal_name(self.exitcode)
+            return f"rank {self.rank} was killed by {name}" + (
+                " (out of memory? the kernel's OOM killer sends SIGKILL)" if name == "SIGKILL" else ""
+            )
+        if self.kind == "exit":
+            return f"rank {self.rank} exited with code {self.exitcode} without returning a result"
+        if self.kind == "timeout":
+            where = indent(self.stack) if self.stack else "  (no Python stack could be collected)"
+            return f"rank {self.rank} was still running; it was stuck here:\n{where}"
+        return f"rank {self.rank} was stopped by the launcher ({self.message})"
+
+
+class WorkerError(RuntimeError):
+    """One or more worker processes failed.  ``failures`` maps each failed rank to a RankFailure."""
+
+    def __init__(self, failures: dict[int, RankFailure], summary: str):
+        self.failures = failures
+        self.summary = summary
+        details = "\n".join(f.describe() for f in sorted(failures.values(), key=lambda f: f.rank))
+        super().__init__(f"{summary}\n{details}")
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        """Ranks that failed by themselves (not the ones the launcher stopped afterwards)."""
+        return sorted(r for r, f in self.failures.items() if f.kind != "stopped")
+
+
+class WorkerTimeout(WorkerError):
+    """Workers were still running at a deadline; the stuck ranks' stacks are attached.
+
+    ``early_finish`` is None for the launch's ``timeout``; with ``launch(finish_within=s)`` it is
+    ``s`` when some ranks had returned ``s`` seconds before while others were still running.
+    """
+
+    def __init__(self, failures: dict[int, RankFailure], summary: str, early_finish: float | None = None):
+        super().__init__(failures, summary)
+        self.early_finish = early_finish

@@ -1,0 +1,564 @@
+"""``launch``: run a function in real worker processes, the way ``torchrun`` would, from a notebook cell.
+
+``launch(fn, nprocs)`` starts ``nprocs`` worker processes, gives each one the environment that
+``torchrun`` gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), runs
+``fn(*args, **kwargs)`` in each, streams their output into the cell and returns their return
+values, indexed by global rank.
+
+How it works, in the order things happen:
+
+1. **Start method.** Workers are forked from a *fork server*: a fresh Python process, started once
+   per kernel, that has imported ``torch`` and nothing else.  Forking from it is fast (no second
+   ``import torch``) and safe: the fork server never ran OpenMP work or touched CUDA, which is what
+   makes a plain ``fork`` of the notebook kernel hang or crash.  In a notebook kernel it is started
+   in the background when ``course_utils`` is imported (``prewarm``).
+2. **Payload.** ``fn`` and its arguments are serialised with ``cloudpickle``, which (unlike plain
+   pickle) can ship functions and classes defined in a notebook cell.
+3. **Rendezvous.** The launcher hosts the ``TCPStore`` itself, on a socket it binds to 127.0.0.1
+   port 0: the operating system picks a free port, so two launches never collide, and nothing
+   outside this machine can reach the store (it has no authentication).  Workers find it through
+   ``MASTER_ADDR`` / ``MASTER_PORT`` and ``TORCHELASTIC_USE_AGENT_STORE=True``, exactly as under
+   ``torchrun``, and gloo/NCCL are told to use the loopback interface.
+4. **Supervision.** One loop in the calling thread reads every worker's stdout/stderr (printed as
+   whole lines prefixed with the rank), results, progress reports and exit status.  When a rank
+   fails, the others are killed at once; after ``timeout`` seconds the stuck ranks' Python stacks
+   are collected (``faulthandler``) and they are killed.
+5. **Clean-up.** Each worker runs in its own process group and watches a pipe from the launcher: if
+   the launcher (the notebook kernel) dies, the pipe closes and the worker kills its whole group.
+   On any exit from ``launch`` (success, failure, KeyboardInterrupt) every worker is reaped and
+   every pipe and the store's socket are closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import linecache
+import multiprocessing
+import os
+import pickle
+import re
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+from collections import ChainMap
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import cloudpickle
+import torch.distributed as dist
+from cloudpickle import cloudpickle as _cp
+
+from ..monitor import DisplayGuard
+from .budget import cpu_threads_per_worker
+from .entry import worker_main
+from .errors import RankFailure, WorkerError, WorkerTimeout
+from .lines import LineSplitter
+from .reports import decode_frames
+
+__all__ = ["launch", "free_port", "fork_server_context", "loopback_listener"]
+
+PRELOAD = "course_utils._preload"
+
+# --------------------------------------------------------------------------------------------
+# Small public helpers
+# --------------------------------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Ask the operating system for a TCP port that is free right now.
+
+    Use it for ``init_method="tcp://..."`` demos.  Another program could take the port between
+    this call and its use; the launcher avoids that race by binding its store's socket itself.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def loopback_listener() -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 on a port the operating system picked."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+_ctx_lock = threading.Lock()
+_ctx: Any = None
+
+
+def fork_server_context() -> Any:
+    """The fork-server context, created once per process, preloading torch into the server."""
+    global _ctx
+    with _ctx_lock:
+        if _ctx is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload([PRELOAD])
+            _ctx = ctx
+        return _ctx
+
+
+# --------------------------------------------------------------------------------------------
+# Preparing the payload and the workers' view of the kernel
+# --------------------------------------------------------------------------------------------
+
+
+def _keep_filename(code: types.CodeType) -> tuple:
+    ctor, args = _cp._code_reduce(code)
+    return ctor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, keeping each function's source file name (for example a notebook cell's).
+
+    cloudpickle replaces the file name of the code it ships by value with "<dynamic-code>";
+    keeping the real one lets worker tracebacks point at, and quote, the cell that failed.
+    """
+
+    dispatch_table = ChainMap({types.CodeType: _keep_filename}, cloudpickle.Pickler.dispatch_table)
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Stop multiprocessing from re-running the caller's script in every worker.
+
+    multiprocessing normally re-imports ``__main__`` in each child so that pickled references to
+    its functions resolve.  cloudpickle already ships those functions by value, so re-running a
+    script (or pytest's entry point) in every worker would only cost time and repeat side effects.
+    """
+    main = sys.modules.get("__main__")
+    with _ctx_lock:
+        saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
+        try:
+            if main is not None:
+                main.__dict__.pop("__file__", None)
+                main.__dict__["__spec__"] = None
+            yield
+        finally:
+            if main is not None:
+                main.__dict__.pop("__spec__", None)
+                main.__dict__.update(saved)
+
+
+def _linecache_snapshot(limit: int = 2_000_000) -> dict[str, str]:
+    """Source of notebook cells (which exist only in memory) so worker tracebacks show code."""
+    snap: dict[str, str] = {}
+    size = 0
+    for name, entry in list(linecache.cache.items()):
+        if len(entry) != 4 or not isinstance(entry[2], list) or os.path.exists(name):
+            continue
+        text = "".join(entry[2])
+        size += len(text)
+        if size > limit:
+            break
+        snap[name] = text
+    return snap
+
+
+def _worker_env(world: int, env: dict[str, str] | None) -> dict[str, str]:
+    """What every worker's environment has in common, before the store's address is known."""
+    base = dict(os.environ)
+    if env:
+        base.update({k: str(v) for k, v in env.items()})
+    base.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_worker(world)))
+    # init_process_group returns on one rank before the others have finished connecting; a rank
+    # that then leaves at once (no collective, destroy_process_group) makes gloo's connectFullMesh
+    # fail on the slower rank with "Connection closed by peer".  The store-based barrier that
+    # torch runs at the end of init when this is 1 closes that race, for one store round trip.
+    base.setdefault("TORCH_DIST_INIT_BARRIER", "1")
+    # Every rank runs on this machine: gloo's and NCCL's own sockets listen on loopback only.
+    base.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    base.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    base["MPLBACKEND"] = "Agg"
+    base["PYTHONUNBUFFERED"] = "1"
+    return base
+
+
+# --------------------------------------------------------------------------------------------
+# One rank, as the launcher sees it
+# --------------------------------------------------------------------------------------------
+
+STREAMS = ("out", "err", "stack", "report", "result")
+
+
+@dataclasses.dataclass
+class _Rank:
+    rank: int
+    proc: Any
+    parent_ends: dict  # stream name -> Connection kept by the launcher
+    lines: dict = dataclasses.field(default_factory=lambda: {"out": LineSplitter(), "err": LineSplitter()})
+    stack: bytes = b""
+    result: tuple | None = None
+    exited: bool = False
+    report_buf: bytes = b""
+
+    def failure(self) -> RankFailure | None:
+        """How this rank failed, judged from its result and exit code (None: it did not fail)."""
+        if self.result is not None:
+            if self.result[0] == "ok":
+                return None
+            _, etype, msg, tb = self.result
+            return RankFailure(self.rank, "exception", exc_type=etype, message=msg, traceback=tb)
+        code = self.proc.exitcode
+        if code is None:
+            return None
+        if code < 0:
+            return RankFailure(self.rank, "signal", exitcode=code)
+        if code == 0:  # os._exit(0) before returning: treat as "returned None", as torchrun would
+            self.result = ("ok", None)
+            return None
+        return RankFailure(self.rank, "exit", exitcode=code)
+
+
+def _start_rank(ctx: Any, rank: int, spec: dict, payload: bytes) -> tuple[_Rank, Any]:
+    pipes = {n: ctx.Pipe(duplex=False) for n in STREAMS}
+    alive_r, alive_w = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=worker_main,
+        args=(spec, payload, *(pipes[n][1] for n in STREAMS), alive_r),
+        name=f"course-rank{rank}",
+        daemon=False,
+    )
+    with _main_module_hidden():
+        proc.start()
+    for _, w in pipes.values():
+        w.close()  # the child has its own copy now
+    alive_r.close()
+    return _Rank(rank, proc, {n: p[0] for n, p in pipes.items()}), alive_w
+
+
+# --------------------------------------------------------------------------------------------
+# launch
+# --------------------------------------------------------------------------------------------
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int = 2,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict | None = None,
+    timeout: float = 120.0,
+    nnodes: int = 1,
+    env: dict[str, str] | None = None,
+    display: Any = "auto",
+    finish_within: float | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``nnodes * nprocs`` worker processes; return their results.
+
+    Parameters
+    ----------
+    fn:
+        Any function, including one defined in a notebook cell.  It runs once per rank and can
+        call ``torch.distributed.init_process_group(backend)`` with no other arguments.
+    nprocs:
+        Worker processes per (simulated) node, like ``torchrun --nproc_per_node``.
+    args, kwargs:
+        Passed to ``fn``; notebook-defined classes and closures are fine.
+    timeout:
+        Seconds before the launch is declared hung: the stuck ranks' stacks are shown and the
+        workers are killed (``WorkerTimeout``).
+    nnodes:
+        Simulated nodes.  Ranks are laid out node by node: node ``g`` holds global ranks
+        ``g*nprocs ... g*nprocs + nprocs - 1`` with ``GROUP_RANK=g``.
+    env:
+        Extra environment variables for every worker (for example ``{"TORCH_DISTRIBUTED_DEBUG":
+        "DETAIL"}``).
+    display:
+        Where progress reports sent with ``course_utils.report`` go: ``"auto"`` (a live display
+        created on the first report), ``None`` (ignored), or an object with ``update(rank,
+        metrics)`` and ``finish(failures)`` methods.
+    finish_within:
+        When set, once a rank has returned the others must return within this many seconds;
+        otherwise they are declared stuck (``WorkerTimeout`` with ``early_finish`` set).  A rank
+        that returns early while its peers wait for it in a collective is then named in seconds
+        instead of after the whole ``timeout``.
+
+    Returns
+    -------
+    list
+        ``fn``'s return value on each rank, indexed by global rank.
+
+    Raises
+    ------
+    WorkerError
+        A rank raised, exited non-zero or was killed; the message names each rank and why.
+    WorkerTimeout
+        Some ranks were still running after ``timeout`` seconds.
+    """
+    if not callable(fn):
+        raise TypeError(f"launch() needs a function to run, got {type(fn).__name__}")
+    if nprocs < 1 or nnodes < 1:
+        raise ValueError("nprocs and nnodes must be at least 1")
+    try:
+        payload = _dumps((fn, tuple(args), dict(kwargs or {})))
+    except Exception as e:
+        raise TypeError(
+            f"launch() could not send {getattr(fn, '__name__', fn)!r} or its arguments to the "
+            f"workers: {e}. Pass tensors, numbers and objects defined in Python code, not open "
+            "files, locks or CUDA streams."
+        ) from e
+
+    world = nprocs * nnodes
+    base_env = _worker_env(world, env)
+    ctx = fork_server_context()
+    listener = loopback_listener()
+    port = listener.getsockname()[1]
+    try:
+        store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the socket now, and closes it when it is freed
+    common = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_RUN_ID": f"course-{os.getpid()}-{port}",
+        "COURSE_LAUNCHER": "1",
+    }
+    cwd, sys_path, lines = os.getcwd(), list(sys.path), _linecache_snapshot()
+
+    ranks: list[_Rank] = []
+    sel = selectors.DefaultSelector()
+    alive_writers = []
+    try:
+        for rank in range(world):
+            node, local = divmod(rank, nprocs)
+            wenv = dict(base_env, **common, RANK=str(rank), LOCAL_RANK=str(local),
+                        GROUP_RANK=str(node), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world))
+            spec = {"rank": rank, "cwd": cwd, "sys_path": sys_path, "env": wenv, "linecache": lines}
+            r, alive_w = _start_rank(ctx, rank, spec, payload)
+            alive_writers.append(alive_w)
+            ranks.append(r)
+            for name, conn in r.parent_ends.items():
+                sel.register(conn.fileno(), selectors.EVENT_READ, (r, name))
+            sel.register(r.proc.sentinel, selectors.EVENT_READ, (r, "exit"))
+
+        return _Supervisor(ranks, sel, DisplayGuard(display, world), world).run(timeout, finish_within)
+    finally:
+        _shutdown(ranks, sel, alive_writers)
+        del store
+
+
+class _Supervisor:
+    """The launcher's loop: forward output, collect results, detect failure and hangs."""
+
+    def __init__(self, ranks: list[_Rank], sel: selectors.BaseSelector, live: DisplayGuard, world: int):
+        self.ranks, self.sel, self.live, self.world = ranks, sel, live, world
+
+    def run(self, timeout: float, finish_within: float | None = None) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        first_done: float | None = None
+        try:
+            while not all(r.exited for r in self.ranks):
+                now = time.monotonic()
+                remaining = deadline - now
+                if remaining <= 0:
+                    self._time_out(timeout)
+                if first_done is None and any(r.exited and r.result is not None and r.result[0] == "ok"
+                                              for r in self.ranks):
+                    first_done = now
+                if finish_within is not None and first_done is not None:
+                    if now - first_done > finish_within:
+                        self._time_out(timeout, early_finish=finish_within)
+                    remaining = min(remaining, first_done + finish_within - now + 0.01)
+                for key, _ in self.sel.select(timeout=min(remaining, 0.2)):
+                    self._handle(*key.data, key.fd)
+                if any(r.exited and r.failure() is not None for r in self.ranks):
+                    break
+            # Gather output still in the pipes (a worker may exit before its last lines are read).
+            self._drain(2.0 if any(not r.exited for r in self.ranks) else 5.0)
+            failures = {r.rank: f for r in self.ranks if r.exited and (f := r.failure()) is not None}
+            if failures:
+                self._fail(failures)
+            self.live.finish({})
+            return [r.result[1] for r in self.ranks]  # type: ignore[index]
+        finally:
+            self.live.close()
+
+    def _time_out(self, timeout: float, early_finish: float | None = None) -> None:
+        failures = self._collect_stacks()
+        stuck = ", ".join(str(r) for r in sorted(failures))
+        if early_finish is None:
+            summary = (f"Timed out after {timeout:g} s: rank(s) {stuck} still running. A rank stuck in "
+                       "a collective usually means another rank skipped it or called a different one.")
+        else:
+            done = [r.rank for r in self.ranks if r.rank not in failures]
+            summary = (f"Rank(s) {', '.join(map(str, done))} returned, but rank(s) {stuck} were still "
+                       f"running {early_finish:g} s later: a rank that returns early leaves the others "
+                       "waiting in a collective it never joins.")
+            for r in done:
+                failures[r] = RankFailure(r, "stopped", message="finished, but others were stuck")
+        _kill_all(self.ranks)
+        self.live.finish(failures)
+        raise WorkerTimeout(failures, summary, early_finish)
+
+    def _fail(self, failures: dict[int, RankFailure]) -> None:
+        first = min(failures)
+        _kill_all(self.ranks)
+        self._drain(1.0)
+        for r in self.ranks:
+            if r.rank not in failures:
+                failures[r.rank] = RankFailure(
+                    r.rank, "stopped",
+                    message=f"killed after rank {first} failed" if not r.exited or r.result is None
+                    else f"finished, but rank {first} failed")
+        summary = (f"{len([f for f in failures.values() if f.kind != 'stopped'])} of {self.world} "
+                   "rank(s) failed; the others were stopped.")
+        self.live.finish(failures)
+        raise WorkerError(failures, summary)
+
+    def _unregister(self, fd: int) -> None:
+        if fd in self.sel.get_map():
+            self.sel.unregister(fd)
+
+    def _handle(self, r: _Rank, name: str, fd: int) -> None:
+        if fd not in self.sel.get_map():
+            return  # already finished earlier in this batch of events
+        if name == "exit":
+            self._unregister(fd)
+            r.proc.join()
+            # The result may still sit in its pipe: read it before judging the exit.
+            conn = r.parent_ends["result"]
+            if r.result is None and not conn.closed and conn.poll(0):
+                self._handle(r, "result", conn.fileno())
+            r.exited = True
+            return
+        conn = r.parent_ends[name]
+        if name == "result":
+            try:
+                r.result = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                pass
+            except Exception as e:  # a class the notebook cannot unpickle
+                r.result = ("exc", "UnpicklingError", f"could not read rank {r.rank}'s result: {e}", "")
+            self._unregister(fd)
+            return
+        if name == "report":
+            self.live.pace_report_read(r.rank)
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._unregister(fd)
+            if name in ("out", "err"):
+                _emit(r.rank, name, r.lines[name].flush())
+            return
+        if name == "stack":
+            r.stack += data
+        elif name == "report":
+            reports, r.report_buf = decode_frames(r.report_buf + data)
+            for metrics in reports:
+                self.live.update(r.rank, metrics)
+        else:
+            _emit(r.rank, name, r.lines[name].feed(data))
+
+    def _drain(self, limit: float) -> None:
+        """Read what is left in the pipes of exited workers, for at most ``limit`` seconds."""
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            if not any(k.data[0].proc.exitcode is not None for k in self.sel.get_map().values()):
+                return  # nothing left to read from a worker that has exited
+            for key, _ in self.sel.select(timeout=0.05):
+                self._handle(*key.data, key.fd)
+
+    def _collect_stacks(self) -> dict[int, RankFailure]:
+        """Ask every running rank for its Python stacks (faulthandler on SIGUSR1), wait briefly."""
+        stuck = [r for r in self.ranks if not r.exited and r.proc.exitcode is None]
+        for r in stuck:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r.proc.pid, signal.SIGUSR1)
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            for key, _ in self.sel.select(timeout=0.1):
+                rr, name = key.data
+                if name != "exit":
+                    self._handle(rr, name, key.fd)
+            if all(r.stack.count(b"\n") >= 2 for r in stuck) and time.monotonic() > end - 1.0:
+                break
+        return {
+            r.rank: RankFailure(r.rank, "timeout", stack=tidy_stack(r.stack.decode(errors="replace")))
+            for r in stuck
+        }
+
+
+def _emit(rank: int, name: str, lines: list[str]) -> None:
+    """Print whole lines from one worker, each prefixed with its rank."""
+    if not lines:
+        return
+    stream = sys.stdout if name == "out" else sys.stderr
+    stream.write("".join(f"[rank{rank}] {line}\n" for line in lines))
+    stream.flush()
+
+
+_PLUMBING = ("multiprocessing/", "course_utils/workers/", '"<string>"', "thread 0x")
+
+
+def tidy_stack(text: str) -> str:
+    """Keep the thread that runs the user's code, drop launcher plumbing, quote each source line.
+
+    faulthandler prints frames most recent first, without source; the notebook's linecache
+    knows the source of its cells and files, so each frame gets its line of code.
+    """
+    blocks = [b for b in text.strip().split("\n\n") if b.strip()]
+    main = [b for b in blocks if "worker_main" in b] or blocks
+    keep = ["(most recent call first)"] if main else []
+    for line in main[0].splitlines() if main else []:
+        if any(s in line for s in _PLUMBING):
+            continue
+        keep.append(line.strip())
+        m = re.match(r'\s*File "(.+)", line (\d+) in ', line)
+        code = linecache.getline(m.group(1), int(m.group(2))).strip() if m else ""
+        if code:
+            keep.append(f"    {code}")
+    if main and len(keep) == 1:  # no frame of the user's code is left
+        keep = [line.strip() for line in main[0].splitlines() if 'File "' in line]
+        keep.append("(no frame of your function: it had returned, and the worker hung while its "
+                    "objects were freed. A DDP model still alive after destroy_process_group() "
+                    "does this: `del model` before destroying the group.)")
+    return "\n".join(keep)
+
+
+def _kill_all(ranks: list[_Rank]) -> None:
+    for r in ranks:
+        if r.proc.exitcode is None:
+            try:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                with contextlib.suppress(Exception):
+                    r.proc.kill()
+
+
+def _shutdown(ranks: list[_Rank], sel: selectors.BaseSelector, alive_writers: list) -> None:
+    """Whatever happened: no worker left running, no pipe left open."""
+    _kill_all(ranks)
+    for w in alive_writers:
+        w.close()
+    for r in ranks:
+        r.proc.join(timeout=10)
+        if r.proc.exitcode is None:  # should not happen: SIGKILL cannot be ignored
+            r.proc.kill()
+            r.proc.join(timeout=5)
+        for conn in r.parent_ends.values():
+            conn.close()
+        with contextlib.suppress(ValueError):
+            r.proc.close()
+    sel.close()
