@@ -466,12 +466,12 @@ def short_mismatch(message: str) -> str:
         if k < 0:
             out.append(message[j:])
             break
-        depth = 0
-        for k in range(k, len(message)):
-            depth += {"(": 1, ")": -1}.get(message[k], 0)
+        depth, end = 0, k
+        for end in range(k, len(message)):
+            depth += {"(": 1, ")": -1}.get(message[end], 0)
             if depth == 0:
                 break
-        i = k + 1
+        i = end + 1
     text = "".join(out)
     text = re.sub(r"\s*Tensor Tensor devices:.*?(?=\s{2}\S|$)", "", text)
     return re.sub(r"[ \t]+", " ", text).strip()

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from course_utils import diagnose, free_port
-from course_utils import RankFailure, WorkerError, WorkerTimeout
+from course_utils.launcher import RankFailure, WorkerError, WorkerTimeout
 
 # ---- start-up checks -------------------------------------------------------------------------
 
