@@ -19,6 +19,12 @@ Several kernels may run checkers at the same time: each update takes an exclusiv
 A corrupt file is kept aside as ``progress.json.corrupt-<time>`` and rebuilt, with a warning; a
 missing folder is created; nothing here ever makes a checker fail.
 
+An instructor collects the learners' files in one folder (a shared drive, or files handed in, each
+renamed to ``<learner>.json``) and prints the room's table with
+``python -m course_utils.progress --room DIR``: one row per exercise (how many learners passed,
+failed, did not try it) and one per learner.  Files that are not progress files are named, with
+the reason, and skipped.
+
 ``COURSE_PROGRESS=off`` turns recording off.  So does a pytest run that does not set
 ``COURSE_PROGRESS_FILE``: the course's own tests run checkers on wrong answers on purpose, and
 must not fill the learner's table with them.
@@ -35,6 +41,7 @@ import errno
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -44,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["record", "load", "progress_file", "known_exercises", "rows", "table", "show",
-           "ProgressWarning", "Row"]
+           "ProgressWarning", "Row", "room", "room_table", "Room", "Learner"]
 
 SCHEMA = 1
 LOCK_TIMEOUT_S = 10.0
@@ -381,6 +388,170 @@ def show(path: Path | str | None = None, *, checks_dir: Path | str | None = None
     print(table(path, checks_dir=checks_dir))
 
 
+# --------------------------------------------------------------------------------------------
+# The room: every learner's file in one folder
+# --------------------------------------------------------------------------------------------
+
+MAX_FILE_BYTES = 5 * 2**20  # a progress file is a few KiB; anything this large is something else
+
+
+@dataclasses.dataclass
+class Learner:
+    name: str  # the file's "learner" field, else its name without ".json"
+    source: str  # the file, relative to the folder
+    exercises: dict  # exercise name -> cleaned entry
+    note: str = ""  # what was wrong with a partly readable file
+
+
+@dataclasses.dataclass
+class Room:
+    folder: str
+    learners: list[Learner]
+    skipped: list[tuple[str, str]]  # (file, why it is not a progress file)
+    exercises: list[str]  # the course's exercises, then any other recorded one
+
+
+def _printable(text: str, limit: int = 60) -> str:
+    """A name from someone else's file, safe to print in a table cell."""
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _read_learner(path: Path, rel: str) -> tuple[Learner | None, str]:
+    """(learner, "") for a progress file; (None, why not) for anything else."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or e})"
+    if not stat.S_ISREG(st.st_mode):
+        return None, "not a regular file"
+    if st.st_size == 0:
+        return None, "empty file"
+    if st.st_size > MAX_FILE_BYTES:
+        return None, f"too large for a progress file ({st.st_size / 2**20:.0f} MiB)"
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or e})"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not text (binary data)"
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        return None, f"not valid JSON ({e})"
+    if not isinstance(doc, dict) or not isinstance(doc.get("exercises"), dict):
+        return None, 'JSON, but not a progress file (no "exercises" table)'
+    if doc.get("schema", SCHEMA) != SCHEMA:
+        return None, f"progress file of schema {doc.get('schema')!r}; this course reads schema {SCHEMA}"
+    data, problem = _parse(text)
+    name = doc.get("learner")
+    if not isinstance(name, str) or not name.strip():
+        name = Path(rel).parent.name if path.name == "progress.json" and "/" in rel else path.stem
+    return Learner(_printable(name.strip()), rel, data["exercises"], problem), ""
+
+
+def room(folder: Path | str, *, checks_dir: Path | str | None = None) -> Room:
+    """Read every learner's progress file in ``folder``; never raises for what the folder holds.
+
+    A learner is a ``*.json`` file directly in the folder, or a subfolder holding ``progress.json``
+    (a learner's whole ``progress/`` folder handed in).  Anything else (other files, corrupt or
+    foreign JSON, unreadable or empty files, other folders) is listed in ``skipped`` with the reason.
+    """
+    folder = Path(folder)
+    learners: list[Learner] = []
+    skipped: list[tuple[str, str]] = []
+    try:
+        entries = sorted(folder.iterdir(), key=lambda p: p.name)
+    except OSError as e:
+        return Room(str(folder), [], [(str(folder), f"cannot list the folder ({e.strerror or e})")], [])
+    for entry in entries:
+        rel = _printable(entry.name, 200)
+        try:
+            is_dir = entry.is_dir()
+        except OSError:
+            is_dir = False
+        if is_dir:
+            inner = entry / "progress.json"
+            try:
+                has_file = inner.exists()
+            except OSError:
+                has_file = False
+            if not has_file:
+                skipped.append((rel + "/", "a folder without a progress.json"))
+                continue
+            entry, rel = inner, f"{rel}/progress.json"
+        learner, why = _read_learner(entry, rel)
+        if learner is None:
+            skipped.append((rel, why))
+        else:
+            learners.append(learner)
+    # Two files naming the same learner stay two rows, told apart by their file.
+    counts: dict[str, int] = {}
+    for lr in learners:
+        counts[lr.name] = counts.get(lr.name, 0) + 1
+    for lr in learners:
+        if counts[lr.name] > 1:
+            lr.name = f"{lr.name} ({lr.source})"
+    learners.sort(key=lambda lr: (lr.name.lower(), lr.source))
+    names = known_exercises(checks_dir)
+    seen = set(names)
+    extra = {n for lr in learners for n in lr.exercises if n not in seen}
+    names += sorted(extra, key=_sort_key)
+    return Room(str(folder), learners, skipped, sorted(names, key=_sort_key))
+
+
+def _status(entry: dict | None) -> str:
+    if entry is None or not entry["tries"]:
+        return "not tried"
+    return "passed" if entry["passes"] else "failed"
+
+
+def room_table(folder: Path | str, *, checks_dir: Path | str | None = None) -> str:
+    """The room report as text: one row per exercise, one per learner, then the skipped files."""
+    r = room(folder, checks_dir=checks_dir)
+    n = len(r.learners)
+    lines = [f"Room progress: {n} learner{'s' if n != 1 else ''} in {r.folder}"]
+    if r.exercises:
+        width = max(len("exercise"), *(len(_printable(e)) for e in r.exercises))
+        lines.append(f"{'exercise':<{width}}  {'passed':>6}  {'failed':>6}  {'not tried':>9}")
+        titles = _chapter_titles()
+        chapter = None
+        for ex in r.exercises:
+            m = _NAME.match(ex)
+            ch = m.group("chapter") if m else ""
+            if ch != chapter:
+                chapter = ch
+                lines.append(f"-- {titles.get(ch, f'chapter {ch}' if ch else 'other')}")
+            counts = {"passed": 0, "failed": 0, "not tried": 0}
+            for lr in r.learners:
+                counts[_status(lr.exercises.get(ex))] += 1
+            lines.append(f"{_printable(ex):<{width}}  {counts['passed']:>6}  {counts['failed']:>6}  "
+                         f"{counts['not tried']:>9}")
+    if r.learners:
+        width = max(len("learner"), *(len(lr.name) for lr in r.learners))
+        lines += ["", f"{'learner':<{width}}  {'passed':>6}  {'failed':>6}  {'not tried':>9}  "
+                      f"{'last active':<16}  file"]
+        for lr in r.learners:
+            st = [_status(lr.exercises.get(ex)) for ex in r.exercises]
+            last = max((e["last_tried"] for e in lr.exercises.values() if e.get("last_tried")),
+                       default="")
+            lines.append(f"{lr.name:<{width}}  {st.count('passed'):>6}  {st.count('failed'):>6}  "
+                         f"{st.count('not tried'):>9}  {_printable(last.replace('T', ' '))[:16]:<16}  "
+                         f"{lr.source}".rstrip())
+        for lr in r.learners:
+            if lr.note:
+                lines.append(f"note: {lr.source} is partly damaged: {lr.note}; its other results are counted")
+    if r.skipped:
+        lines += ["", f"Skipped, not progress files ({len(r.skipped)}):"]
+        lines += [f"  {name}: {why}" for name, why in r.skipped]
+    if not r.learners:
+        lines.append("No progress files found: collect each learner's progress/progress.json here, "
+                     "renamed to <learner>.json.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m course_utils.progress",
@@ -388,7 +559,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--file", help="progress file to read (default: $COURSE_PROGRESS_FILE "
                         "or <course>/progress/progress.json)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--room", metavar="DIR",
+                        help="instead: one table for a whole room, from every learner's progress file "
+                        "collected in DIR (<learner>.json, or <learner>/progress.json)")
     args = parser.parse_args(argv)
+    if args.room:
+        if args.json:
+            json.dump(dataclasses.asdict(room(args.room)), sys.stdout, indent=1)
+            print()
+        else:
+            print(room_table(args.room))
+        return 0 if Path(args.room).is_dir() else 2
     if args.json:
         json.dump([dataclasses.asdict(r) for r in rows(args.file)], sys.stdout, indent=1)
         print()
