@@ -37,6 +37,7 @@ __all__ = [
     "run_workers",
     "Outcome",
     "first_problem",
+    "learner_frames",
     "close",
     "compare_tensors",
     "diff_table",
@@ -260,6 +261,8 @@ def run_workers(
     error_hint: str = "",
     finish_within: float | None = 30.0,
     env: dict[str, str] | None = None,
+    explain_error: Callable[[RankFailure], str | None] | None = None,
+    explain_hang: Callable[[dict[int, str]], str | None] | None = None,
 ) -> list[Any]:
     """Run ``worker(*args)`` on ``world`` ranks; every way it can fail becomes one CheckFailed.
 
@@ -273,6 +276,11 @@ def run_workers(
       ``hang_hint``;
     - a crash or a signal: the rank and what killed it.
 
+    A chapter whose mistakes leave recognisable traces can word the message itself:
+    ``explain_error(failure)`` gets the root-cause ``RankFailure`` of a failed launch and
+    ``explain_hang(stacks)`` each stuck rank's whole stack (``learner_frames`` shortens it); what they return
+    replaces the default message, None keeps it.
+
     Returns each rank's return value, indexed by rank.
     """
     progress = NullDisplay(world)
@@ -280,9 +288,15 @@ def run_workers(
         return launch(worker, nprocs=world, args=tuple(args), timeout=timeout, display=progress,
                       finish_within=finish_within, env=env)
     except WorkerTimeout as e:
-        raise CheckFailed(_hang_message(e, progress, timeout, hang_hint)) from None
+        stacks = {r: f.stack for r, f in e.failures.items() if f.kind == "timeout"}
+        custom = explain_hang(stacks) if explain_hang is not None else None
+        raise CheckFailed(custom or _hang_message(e, progress, timeout, hang_hint)) from None
     except WorkerError as e:
-        raise CheckFailed(_error_message(e, progress, error_hint)) from None
+        roots = _root_causes(e.failures)
+        custom = None
+        if explain_error is not None and roots and roots[0].exc_type != "NotImplementedError":
+            custom = explain_error(roots[0])
+        raise CheckFailed(custom or _error_message(e, progress, error_hint)) from None
 
 
 def _hang_message(e: WorkerTimeout, progress: NullDisplay, timeout: float, hint: str) -> str:

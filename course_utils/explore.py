@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .monitor import display_mode
+
 __all__ = ["explore", "has_widget_frontend"]
 
 
@@ -17,8 +19,6 @@ def has_widget_frontend() -> bool:
     One rule for the whole course, ``course_utils.monitor.display_mode``: nbval, nbconvert and
     terminals get plain output, and ``COURSE_DISPLAY=text`` forces it anywhere.
     """
-    from .monitor import display_mode
-
     return display_mode() == "widgets"
 
 
@@ -42,6 +42,7 @@ def explore(run: Callable[..., Any], *, title: str = "", **controls: Any) -> Any
     if not has_widget_frontend():
         return run(**defaults)
 
+    # Widgets exist only in a Jupyter kernel; the course runs headless without them.
     import ipywidgets as w
     from IPython.display import display
 

@@ -187,7 +187,7 @@ def _fmt_metrics(m: dict, *, sep: str = " · ", eq: str = " ", skip: tuple = ())
 def _in_kernel() -> bool:
     """True inside an IPython kernel (JupyterLab, nbval, nbconvert), not in a terminal IPython."""
     try:
-        from IPython import get_ipython
+        from IPython import get_ipython  # optional: absent outside Jupyter
     except ImportError:
         return False
     ip = get_ipython()
@@ -196,7 +196,7 @@ def _in_kernel() -> bool:
 
 def _has_ipywidgets() -> bool:
     try:
-        import ipywidgets  # noqa: F401
+        import ipywidgets  # noqa: F401  (optional: only for the widget display)
     except ImportError:
         return False
     return True
@@ -354,7 +354,7 @@ class _Recorder:
 
     # The figures use matplotlib's object API, not pyplot: no global state, no inline duplicate.
     def _new_axes(self) -> tuple[Any, Any]:
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # slow to import: only when a figure is drawn
 
         fig = Figure(figsize=(6.4, 3.0), dpi=90)
         fig.subplots_adjust(left=0.12, right=0.98, top=0.9, bottom=0.19)
@@ -424,7 +424,7 @@ class _Recorder:
 
 
 def _show_png(png: bytes) -> None:
-    from IPython.display import Image, display
+    from IPython.display import Image, display  # only in a kernel, where figures can be shown
 
     display(Image(data=png, format="png"))
 
@@ -467,6 +467,7 @@ class WidgetDisplay(_Recorder):
 
     def __init__(self, world: int, *, plot: str | None = None):
         super().__init__(world, plot=plot)
+        # This display exists only in a Jupyter kernel with widgets.
         import ipywidgets as w
         from IPython.display import display
 
@@ -563,7 +564,7 @@ class WidgetDisplay(_Recorder):
         self.failures = dict(failures)
         if self.closed:
             return
-        from IPython.display import display
+        from IPython.display import display  # this display exists only in a Jupyter kernel
 
         self._refresh(self.failures)
         bad = sorted(r for r, f in self.failures.items() if getattr(f, "kind", "") != "stopped")

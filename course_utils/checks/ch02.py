@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checking import CheckFailed, checker, compare_tensors, require_callable
+from ..data import make_dataset, make_model
 
 __all__ = ["check_dp_step"]
 
@@ -60,7 +61,6 @@ def check_dp_step(dp_step: Callable[..., Any]) -> None:
     call ``backward`` so that the gradients land in ``model``'s own parameters.
     """
     require_callable(dp_step, _USAGE)
-    from ..data import make_dataset, make_model
 
     data = make_dataset(64, seed=2)
     for case, (batch, n_devices) in enumerate(_CASES):
@@ -76,7 +76,9 @@ def check_dp_step(dp_step: Callable[..., Any]) -> None:
         calls: list[tuple[int, int, int]] = []  # (thread id, module id, rows)
         lock = threading.Lock()
 
-        def seen(module, args):  # copied into every replica made with copy.deepcopy / copy.copy
+        # Copied into every replica made with copy.deepcopy / copy.copy; the defaults bind this
+        # case's list and lock.
+        def seen(module, args, calls=calls, lock=lock):
             rows = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else -1
             with lock:
                 calls.append((threading.get_ident(), id(module), rows))
@@ -112,8 +114,8 @@ def check_dp_step(dp_step: Callable[..., Any]) -> None:
                 f"{tuple(out.shape)}. Usual mistake: returning one replica's output, or stacking "
                 "instead of concatenating along dim 0 (gather is torch.cat(outputs, dim=0)).")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise CheckFailed(f"loss: expected a 0-dim tensor, got "
-                              f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+            raise CheckFailed(f"loss: expected a 0-dim tensor, got {type(loss).__name__}{shape}")
 
         # How it ran.
         rows = [r for _, _, r in calls]

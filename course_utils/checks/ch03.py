@@ -21,8 +21,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
-from ..checking import CheckFailed, checker, require_callable
+from ..checking import CheckFailed, checker, learner_frames, require_callable, run_workers
+from ..devices import backend_and_device
+from ..workers.errors import RankFailure
 
 __all__ = ["check_all_reduce_mean", "check_ring_all_reduce", "ForbiddenCollective"]
 
@@ -56,9 +60,6 @@ class _Guard:
         self._saved: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> _Guard:
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
         def forbid(name: str) -> Callable:
             def f(*args: Any, **kwargs: Any) -> Any:
                 raise ForbiddenCollective(f"dist.{name} is not allowed in this exercise")
@@ -102,10 +103,6 @@ def _make_input(shape: tuple, dtype_name: str, seed: int) -> torch.Tensor:
 
 def _run_cases(fn: Callable, cases: list, forbidden: Sequence[str], mean: bool) -> list[dict]:
     """Worker: run ``fn`` on every case; return what each rank had before and after."""
-    import torch.distributed as dist
-
-    from ..devices import backend_and_device
-
     backend, device = backend_and_device(announce=False)
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -158,61 +155,58 @@ def _first_diff(got: torch.Tensor, expected: torch.Tensor) -> str:
             f"{e[i].item():.6g}, got {g[i].item():.6g}")
 
 
+def _hang_explainer(what: str, world: int, timeout: float) -> Callable[[dict[int, str]], str]:
+    def explain(stacks: dict[int, str]) -> str:
+        in_send = [r for r, s in stacks.items() if re.search(r"\bin (send|_send)\b", s)]
+        in_recv = [r for r, s in stacks.items() if re.search(r"\bin (recv|_recv)\b", s)]
+        if stacks and len(in_send) == len(stacks):
+            why = ("every rank is blocked in dist.send: with gloo (and NCCL) a blocking send "
+                   "waits until the peer posts the matching recv, so when all ranks send "
+                   "first, all of them wait forever. Start the send with dist.isend, then "
+                   "recv, then wait() on the send (or alternate the order on even/odd ranks).")
+        elif in_recv:
+            why = (f"rank(s) {in_recv} wait in recv for a message no rank sends: check the "
+                   "peer ranks ((rank + 1) % world to send, (rank - 1) % world to receive), "
+                   "that every rank does the same number of steps, and that a wait() on an "
+                   "isend/irecv is not missing.")
+        else:
+            why = "a rank never returned; see its stack below."
+        first = min(stacks) if stacks else 0
+        return (f"{what} hung with world size {world} (no result after {timeout:g} s): {why}\n"
+                f"rank {first} was stuck here:\n{learner_frames(stacks.get(first, '')) or '(no stack)'}")
+    return explain
+
+
+def _error_explainer(what: str, world: int, forbidden: Sequence[str]) -> Callable[[RankFailure], str | None]:
+    def explain(f: RankFailure) -> str | None:
+        if f.exc_type == "ForbiddenCollective":
+            allowed = ("only dist.send / dist.recv / dist.isend / dist.irecv"
+                       if "broadcast" in forbidden else
+                       "other collectives (reduce, broadcast, all_gather, ...)")
+            return (f"rank {f.rank} called a collective this exercise excludes ({f.message}). "
+                    f"Build {what} from {allowed}.")
+        if f.exc_type == "_CaseError":
+            m = re.search(r"\((\d+) elements\)", f.message)
+            hint = ""
+            if m and int(m.group(1)) % world:
+                hint = (f"\nUsual mistake: assuming the size divides by the world size "
+                        f"({m.group(1)} elements on {world} ranks). Split the flattened tensor "
+                        "with torch.tensor_split(flat, world): pieces may differ in size by "
+                        "one, or be empty when there are fewer elements than ranks.")
+            return f"{what} raised on rank {f.rank} with world size {world}, {f.message}{hint}"
+        return None
+    return explain
+
+
 def _run(fn: Callable, worlds: Sequence[int], cases: list, forbidden: Sequence[str], mean: bool,
          timeout: float, what: str) -> list[list[dict]]:
-    """Launch the cases on each world size; turn worker failures into CheckFailed messages."""
-    from ..workers.supervisor import WorkerError, WorkerTimeout, launch
-
-    results = []
-    for world in worlds:
-        try:
-            results.append(launch(_run_cases, nprocs=world, args=(fn, cases, forbidden, mean),
-                                  timeout=timeout))
-        except WorkerTimeout as e:
-            stacks = {r: f.stack for r, f in e.failures.items() if f.kind == "timeout"}
-            in_send = [r for r, s in stacks.items() if re.search(r"\bin (send|_send)\b", s)]
-            in_recv = [r for r, s in stacks.items() if re.search(r"\bin (recv|_recv)\b", s)]
-            if stacks and len(in_send) == len(stacks):
-                why = ("every rank is blocked in dist.send: with gloo (and NCCL) a blocking send "
-                       "waits until the peer posts the matching recv, so when all ranks send "
-                       "first, all of them wait forever. Start the send with dist.isend, then "
-                       "recv, then wait() on the send (or alternate the order on even/odd ranks).")
-            elif in_recv:
-                why = (f"rank(s) {in_recv} wait in recv for a message no rank sends: check the "
-                       "peer ranks ((rank + 1) % world to send, (rank - 1) % world to receive), "
-                       "that every rank does the same number of steps, and that a wait() on an "
-                       "isend/irecv is not missing.")
-            else:
-                why = "a rank never returned; see its stack below."
-            first = min(stacks) if stacks else min(e.failures)
-            raise CheckFailed(
-                f"{what} hung with world size {world} (no result after {timeout:g} s): {why}\n"
-                f"rank {first} was stuck here:\n{stacks.get(first, '(no stack)')}") from None
-        except WorkerError as e:
-            real = [f for f in sorted(e.failures.values(), key=lambda f: f.rank)
-                    if f.kind != "stopped"]
-            if any(f.exc_type == "NotImplementedError" for f in real):
-                raise  # the checker decorator reports "not done yet"
-            f = real[0] if real else next(iter(e.failures.values()))
-            if f.exc_type == "ForbiddenCollective":
-                allowed = ("only dist.send / dist.recv / dist.isend / dist.irecv"
-                           if "broadcast" in forbidden else
-                           "other collectives (reduce, broadcast, all_gather, ...)")
-                raise CheckFailed(
-                    f"rank {f.rank} called a collective this exercise excludes ({f.message}). "
-                    f"Build {what} from {allowed}.") from None
-            if f.exc_type == "_CaseError":
-                m = re.search(r"\((\d+) elements\)", f.message)
-                hint = ""
-                if m and int(m.group(1)) % world:
-                    hint = (f"\nUsual mistake: assuming the size divides by the world size "
-                            f"({m.group(1)} elements on {world} ranks). Split the flattened tensor "
-                            "with torch.tensor_split(flat, world): pieces may differ in size by "
-                            "one, or be empty when there are fewer elements than ranks.")
-                raise CheckFailed(f"{what} raised on rank {f.rank} with world size {world}, "
-                                  f"{f.message}{hint}") from None
-            raise CheckFailed(f"{what} failed with world size {world}: {f.describe()}") from None
-    return results
+    """Run the cases on each world size; worker failures become CheckFailed messages."""
+    return [
+        run_workers(_run_cases, world, args=(fn, cases, forbidden, mean), timeout=timeout,
+                    explain_error=_error_explainer(what, world, forbidden),
+                    explain_hang=_hang_explainer(what, world, timeout))
+        for world in worlds
+    ]
 
 
 # --------------------------------------------------------------------------------------------

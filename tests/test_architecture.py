@@ -1,0 +1,152 @@
+"""The shape of ``course_utils``: no import cycles, imports at the top, no private names across modules.
+
+These hold the promises of the package's docstring: one obvious place for each thing, and a reader
+who opens a module sees at its top what it depends on.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "course_utils"
+# Imported lazily, where used, because the course runs without them or they are slow to import.
+OPTIONAL = ("IPython", "ipywidgets", "pynvml", "matplotlib")
+# Imports inside a function that are the point of the function.
+DELIBERATE = {("course_utils.workarounds", "torch._dynamo")}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(module: str, node: ast.ImportFrom | ast.Import, is_pkg: bool) -> list[str]:
+    """The course_utils modules an import statement names (``from . import x`` names ``pkg.x``)."""
+    names: list[str] = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = module if is_pkg else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            base = base.rpartition(".")[0]
+        target = node.module or ""
+        if node.level:
+            target = f"{base}.{target}" if target else base
+        names = [target] + [f"{target}.{a.name}" for a in node.names]
+    found = []
+    for n in names:
+        while n and n not in MODULES:
+            n = n.rpartition(".")[0] if "." in n else ""
+        if n and n != module:
+            found.append(n)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for mod, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                deps.update(_resolve(mod, node, path.name == "__init__.py"))
+        graph[mod] = deps
+    return graph
+
+
+def test_no_import_cycles_among_course_utils_modules_counting_imports_inside_functions():
+    graph = _graph()
+    # The package __init__ re-exports the public names: it may import anything, and nothing may
+    # import it back (that would be a cycle through the package).
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def _function_imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    out = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    out += [(node.lineno, a.name) for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    out.append((node.lineno, "." * node.level + (node.module or "")))
+    return out
+
+
+@pytest.mark.parametrize("mod", sorted(MODULES))
+def test_imports_are_at_the_top_except_optional_dependencies_with_a_reason(mod):
+    path = MODULES[mod]
+    lines = path.read_text().splitlines()
+    bad = []
+    for lineno, name in _function_imports(path):
+        if (mod, name) in DELIBERATE:
+            continue
+        if name.split(".")[0] not in OPTIONAL:
+            bad.append(f"line {lineno}: import of {name} inside a function (move it to the top)")
+            continue
+        # The reason: a comment on the line, or above the block of imports it belongs to.
+        i = lineno - 1
+        while i > 0 and lines[i - 1].strip().startswith(("import ", "from ")):
+            i -= 1
+        if "#" not in lines[lineno - 1] and not (i > 0 and lines[i - 1].strip().startswith("#")):
+            bad.append(f"line {lineno}: lazy import of {name} without a one-line reason")
+    assert not bad, f"{path.relative_to(PKG.parent)}:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("mod", sorted(MODULES))
+def test_no_module_reads_another_modules_private_names(mod):
+    path = MODULES[mod]
+    tree = ast.parse(path.read_text())
+    bad = []
+    aliases: dict[str, str] = {}  # local name -> course_utils module it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for target in _resolve(mod, node, path.name == "__init__.py"):
+                for a in node.names:
+                    if target.endswith("." + a.name):
+                        aliases[a.asname or a.name] = target
+                    elif a.name.startswith("_") and not a.name.startswith("__"):
+                        bad.append(f"line {node.lineno}: imports private {a.name} from {target}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            bad.append(f"line {node.lineno}: reads {node.value.id}.{node.attr}")
+    assert not bad, f"{path.relative_to(PKG.parent)}:\n" + "\n".join(bad)
+
+
+def test_the_package_docstring_maps_every_module():
+    doc = ast.get_docstring(ast.parse((PKG / "__init__.py").read_text())) or ""
+    listed = set(re.findall(r"``(\w+)``", doc))
+    top = {m.split(".")[1] for m in MODULES if m.count(".") >= 1}
+    missing = sorted(n for n in top if not n.startswith("_") and n not in listed)
+    assert not missing, f"course_utils/__init__.py's module map does not list: {missing}"
