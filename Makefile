@@ -2,14 +2,15 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# The CPU build of torch; on a GPU machine use `make lab TORCH_SPEC=torch` (see README).
+# The torch the course is tested with. On Linux x86_64 PyPI serves its CUDA build, which runs on
+# CPU too; another build (CPU-only, another CUDA) is one TORCH_SPEC away (README, "GPU machines").
 TORCH_SPEC ?= torch==2.13.0
 # Parallel test processes (pytest-xdist); the suite is sized for 2 cores.
 JOBS ?= 2
 # Jupyter refuses to run as root (containers, cloud VMs) unless told that it is intended.
 LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test exercises notebooks doctor bench clean
+.PHONY: lab test lint exercises notebooks doctor bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +23,11 @@ $(BIN)/.installed: pyproject.toml
 lab: $(BIN)/.installed
 	$(BIN)/jupyter lab $(LAB_FLAGS) --notebook-dir=. notebooks/00_setup.ipynb
 
-test: $(BIN)/.installed
+# Ruff over the package, tests, benchmarks, scripts and the notebooks' code (rules in pyproject.toml).
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m course_utils.exercises --check
 	# One retry per unit test: torch 2.13's gloo process groups can, rarely, abort a worker at
 	# exit (see CONTRIBUTING.md); a test that fails twice fails the run.
@@ -46,6 +51,21 @@ doctor: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/launch_overhead.py
+
+# The course on a GPU machine (README: "Running on a GPU"). `make gpu-wheels`, on a machine with
+# network, fills gpu-wheels/ for the GPU machine's Python; `make gpu-check`, there, runs every
+# notebook with that machine's own python3 and torch and writes gpu-report/. DRY=1 only prints.
+GPU_PYTHON ?= python3
+GPU_PY_VERSION ?= 3.12
+GPU_CHECK_ARGS ?=
+
+.PHONY: gpu-check gpu-wheels
+
+gpu-check:
+	$(GPU_PYTHON) -m course_utils.gpu_check $(if $(DRY),--dry-run) $(GPU_CHECK_ARGS)
+
+gpu-wheels: $(BIN)/.installed
+	$(BIN)/python -m course_utils.gpu_check --download-wheels --python-version $(GPU_PY_VERSION)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

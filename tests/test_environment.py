@@ -54,3 +54,9 @@ def test_python_and_package_install():
 def test_deprecated_pynvml_is_not_a_dependency():
     assert "pynvml" not in _pyproject()
     assert "nvidia-ml-py" in _pyproject()
+
+
+def test_requires_python_is_the_version_the_environment_installs():
+    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    floor = re.match(r">=\s*(\d+\.\d+)", spec).group(1)
+    assert re.search(rf"- python={re.escape(floor)}\b", (ROOT / "environment.yml").read_text())
