@@ -37,9 +37,9 @@ class Result:
 
 def _python() -> Result:
     v = sys.version_info
-    if v >= (3, 10):
+    if v >= (3, 11):
         return Result("OK", "python", f"{platform.python_version()} ({sys.executable})")
-    return Result("FAIL", "python", f"{platform.python_version()} is too old: the course needs 3.10 "
+    return Result("FAIL", "python", f"{platform.python_version()} is too old: the course needs 3.11 "
                   "or newer. Create the environment with `make lab` or `environment.yml`.")
 
 
