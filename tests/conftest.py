@@ -26,9 +26,9 @@ def _descendants() -> set[int]:
     return out
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def no_leftover_processes():
-    """Fail the test if it leaves child processes running."""
+    """Fail any test that leaves child processes running (every test: most start workers)."""
     before = _descendants()
     yield
     deadline = psutil.time.time() + 10
@@ -36,4 +36,5 @@ def no_leftover_processes():
     while left and psutil.time.time() < deadline:
         psutil.time.sleep(0.2)
         left = _descendants() - before
-    assert not left, f"processes left running: {[psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]}"
+    alive = [psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]
+    assert not left, f"processes left running: {alive}"
