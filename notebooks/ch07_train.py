@@ -14,7 +14,6 @@ import contextlib
 import os
 
 import torch
-import torch._dynamo  # noqa: F401  imported before init_process_group (DDP imports it otherwise): see chapter 04
 import torch.distributed as dist
 import torch.nn.functional as F
 from ch07_comm import count_allreduces
@@ -22,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import course_utils
 from course_utils.data import make_dataset, make_model
+from course_utils.workarounds import apply_all
 
 
 def accumulation_step(model, optimizer, micro_batches, *, use_no_sync=True):
@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--no-sync-off", action="store_true", help="all-reduce on every micro-step")
     a = ap.parse_args()
+    apply_all()  # WORKAROUND: torch 2.13 gloo shutdown bug; before init_process_group (ch. 09, sec. 11)
     if "RANK" not in os.environ:  # plain `python ch07_train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(course_utils.free_port()))
