@@ -14,13 +14,13 @@ import contextlib
 import os
 
 import torch
-import torch._dynamo  # noqa: F401  imported before init_process_group (DDP imports it otherwise): see chapter 04
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import course_utils
 from course_utils.data import make_dataset, make_model
+from course_utils.workarounds import apply_all
 
 
 def train(*, amp_dtype="float16", steps=8, batch=64, lr=0.1, max_norm=1.0, init_scale=2.0**16,
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--inject-inf-at", type=int, default=None)
     a = ap.parse_args()
+    apply_all()  # WORKAROUND: torch 2.13 gloo shutdown bug; before init_process_group (ch. 09, sec. 11)
     if "RANK" not in os.environ:  # plain `python ch08_amp_train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(course_utils.free_port()))
