@@ -12,7 +12,8 @@ temporary folder, so that the template can be submitted unchanged:
 What it starts, all of it private to this cluster:
 
 * ``munged`` with a throwaway key and its own socket (Slurm authenticates every message with it);
-* ``slurmctld``, the controller, in this machine's network stack at ``CONTROLLER_ADDR``;
+* ``slurmctld``, the controller, in this machine's network stack at ``10.207.K.254`` (K: the
+  first of these subnets that is free, so that several clusters can run at once);
 * two ``slurmd``, the nodes ``node1`` and ``node2``, each in a network namespace of its own (its
   own interfaces, addresses and ports, like a separate machine) with its own host name (a UTS
   namespace) and an ``/etc/hosts`` in which every node name resolves (``ip netns exec`` mounts
@@ -50,11 +51,10 @@ import tempfile
 import time
 
 __all__ = ["LocalCluster", "local_cluster", "start", "unavailable_reason", "remove_leftovers",
-           "PREFIX", "NODES", "CONTROLLER_ADDR"]
+           "PREFIX", "NODES"]
 
-PREFIX = "cslurm"                  # namespaces PREFIX-<owner pid>-<lan|node1|node2>, /tmp/PREFIX-<pid>-*
-SUBNET = "10.207.0"                # the cluster's network: node1 .1, node2 .2, the controller .254
-CONTROLLER_ADDR = f"{SUBNET}.254"
+PREFIX = "cslurm"       # every name: PREFIX-<owner pid>-<K>-..., the link PREFIX<pid>-<K>
+NETWORK = "10.207"      # cluster K uses NETWORK.K.0/24: node1 .1, node2 .2, the controller .254
 NODES = ("node1", "node2")
 CPUS_PER_NODE = 2                  # what slurm.conf declares; the nodes share this machine's CPUs
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "ip", "unshare")
@@ -89,10 +89,15 @@ def unavailable_reason() -> str | None:
             return f"`ip netns exec ... unshare --uts` failed: {r.stderr.strip()}"
     finally:
         _run(["ip", "netns", "del", probe], check=False)
-    taken = _run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
-    if f" {SUBNET}." in taken:
-        return f"this machine already has an address in {SUBNET}.0/24, the subnet the local cluster uses"
+    if _free_subnet() is None:
+        return f"every subnet {NETWORK}.K.0/24 that the local cluster could use is taken on this machine"
     return None
+
+
+def _free_subnet():
+    """The first K for which this machine has no address in NETWORK.K.0/24."""
+    taken = _run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
+    return next((k for k in range(100) if f" {NETWORK}.{k}." not in taken), None)
 
 
 def _sbin(name):
@@ -121,22 +126,26 @@ def _kill_namespace_processes(netns: str) -> None:
         time.sleep(0.1)
 
 
-def _delete_network(owner: int) -> list[str]:
+def _delete_network(tag: str) -> list[str]:
+    """Delete the namespaces, hosts files and link of cluster ``tag`` ("<pid>-<K>", or "<pid>" for
+    all clusters of that process), killing what still runs inside."""
     removed = []
     for line in _run(["ip", "netns", "list"], check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        if name.startswith(f"{PREFIX}-{owner}-"):
+        if name.startswith(f"{PREFIX}-{tag}-"):
             _kill_namespace_processes(name)
             _run(["ip", "netns", "del", name], check=False)
             removed.append(name)
-    for folder in glob.glob(f"/etc/netns/{PREFIX}-{owner}-*"):
+    for folder in glob.glob(f"/etc/netns/{PREFIX}-{tag}-*"):
         shutil.rmtree(folder, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError, OSError):
         if not os.listdir("/etc/netns"):
             os.rmdir("/etc/netns")
-    if _run(["ip", "link", "show", f"{PREFIX}{owner}"], check=False).returncode == 0:
-        _run(["ip", "link", "del", f"{PREFIX}{owner}"], check=False)
-        removed.append(f"{PREFIX}{owner}")
+    for line in _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
+        m = re.match(rf"\d+: ({PREFIX}{tag}(-\d+)?)[@:]", line)
+        if m:
+            _run(["ip", "link", "del", m.group(1)], check=False)
+            removed.append(m.group(1))
     return removed
 
 
@@ -173,7 +182,7 @@ def remove_leftovers() -> list[str]:
             _stop_daemons(folder)
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
-        removed += _delete_network(owner)
+        removed += _delete_network(str(owner))
     return removed
 
 
@@ -183,6 +192,8 @@ class LocalCluster:
     conf: str          # its slurm.conf
     env: dict          # the environment for Slurm commands (SLURM_CONF and PATH)
     nodes: dict        # node name -> its network namespace
+    tag: str = ""      # "<owner pid>-<K>": part of every name the cluster gives
+    subnet: str = ""   # NETWORK.K: node1 is .1, node2 .2, the controller .254
     _procs: list = dataclasses.field(default_factory=list)
     _stopped: bool = False
 
@@ -248,7 +259,7 @@ class LocalCluster:
                 p.kill()
                 p.wait()
         _stop_daemons(self.folder)
-        _delete_network(os.getpid())
+        _delete_network(self.tag)
         shutil.rmtree(self.folder, ignore_errors=True)
         with contextlib.suppress(ValueError):
             atexit.unregister(self.stop)
@@ -260,14 +271,14 @@ class LocalCluster:
         self.stop()
 
 
-def _slurm_conf(folder, ctl_port, node_ports, user):
+def _slurm_conf(folder, subnet, ctl_port, node_ports, user):
     nodes = "\n".join(
-        f"NodeName={n} NodeAddr={SUBNET}.{i} Port={p} CPUs={CPUS_PER_NODE} Sockets=1 "
+        f"NodeName={n} NodeAddr={subnet}.{i} Port={p} CPUs={CPUS_PER_NODE} Sockets=1 "
         f"CoresPerSocket={CPUS_PER_NODE} ThreadsPerCore=1 State=UNKNOWN"
         for i, (n, p) in enumerate(zip(NODES, node_ports), 1))
     return f"""# A two-node cluster on one machine (course_utils.slurm_cluster); deleted when it stops.
 ClusterName=course
-SlurmctldHost={socket.gethostname()}({CONTROLLER_ADDR})
+SlurmctldHost={socket.gethostname()}({subnet}.254)
 SlurmctldPort={ctl_port}
 SlurmUser={user}
 SlurmdUser=root
@@ -314,28 +325,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_network(owner: int) -> dict:
+def _make_network(tag: str, subnet: str) -> dict:
     """The switch, the controller's link to it, and one namespace per node, plugged in."""
-    lan = f"{PREFIX}-{owner}-lan"
-    nodes = {n: f"{PREFIX}-{owner}-{n}" for n in NODES}
+    lan = f"{PREFIX}-{tag}-lan"
+    nodes = {n: f"{PREFIX}-{tag}-{n}" for n in NODES}
     _run(["ip", "netns", "add", lan])
     _run(["ip", "-n", lan, "link", "add", "br0", "type", "bridge"])
     _run(["ip", "-n", lan, "link", "set", "br0", "up"])
     _run(["ip", "-n", lan, "link", "set", "lo", "up"])
     # This machine (the controller) gets one link to the switch.
-    host_end = f"{PREFIX}{owner}"
+    host_end = f"{PREFIX}{tag}"  # at most 15 characters: cslurm + pid (7 digits) + -K
     _run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", "ctl", "netns", lan])
-    _run(["ip", "addr", "add", f"{CONTROLLER_ADDR}/24", "dev", host_end])
+    _run(["ip", "addr", "add", f"{subnet}.254/24", "dev", host_end])
     _run(["ip", "link", "set", host_end, "up"])
     _run(["ip", "-n", lan, "link", "set", "ctl", "master", "br0", "up"])
-    hosts = ["127.0.0.1 localhost", f"{CONTROLLER_ADDR} {socket.gethostname()}"]
-    hosts += [f"{SUBNET}.{i} {n}" for i, n in enumerate(NODES, 1)]
+    hosts = ["127.0.0.1 localhost", f"{subnet}.254 {socket.gethostname()}"]
+    hosts += [f"{subnet}.{i} {n}" for i, n in enumerate(NODES, 1)]
     for i, (name, netns) in enumerate(nodes.items(), 1):
         _run(["ip", "netns", "add", netns])
         _run(["ip", "-n", lan, "link", "add", f"p{name}", "type", "veth", "peer", "name", "eth1",
               "netns", netns])
         _run(["ip", "-n", lan, "link", "set", f"p{name}", "master", "br0", "up"])
-        _run(["ip", "-n", netns, "addr", "add", f"{SUBNET}.{i}/24", "dev", "eth1"])
+        _run(["ip", "-n", netns, "addr", "add", f"{subnet}.{i}/24", "dev", "eth1"])
         _run(["ip", "-n", netns, "link", "set", "eth1", "up"])
         _run(["ip", "-n", netns, "link", "set", "lo", "up"])
         os.makedirs(f"/etc/netns/{netns}", exist_ok=True)
@@ -373,20 +384,21 @@ def start(timeout: float = 30.0) -> LocalCluster:
     if reason:
         raise RuntimeError(f"cannot start a local Slurm cluster: {reason}")
     remove_leftovers()
-    owner = os.getpid()
-    folder = tempfile.mkdtemp(prefix=f"{PREFIX}-{owner}-")
+    k = _free_subnet()
+    tag, subnet = f"{os.getpid()}-{k}", f"{NETWORK}.{k}"
+    folder = tempfile.mkdtemp(prefix=f"{PREFIX}-{tag}-")
     os.chmod(folder, 0o755)  # job processes (any user) read slurm.conf from here
     for sub in ("munge", "state", "spool", "log"):
         os.makedirs(os.path.join(folder, sub), mode=0o700 if sub == "munge" else 0o755)
     conf = os.path.join(folder, "slurm.conf")
     env = {**os.environ, "SLURM_CONF": conf,
            "PATH": os.pathsep.join(["/usr/sbin", os.environ.get("PATH", "/usr/bin:/bin")])}
-    cluster = LocalCluster(folder=folder, conf=conf, env=env, nodes={})
+    cluster = LocalCluster(folder=folder, conf=conf, env=env, nodes={}, tag=tag, subnet=subnet)
     atexit.register(cluster.stop)
     try:
-        cluster.nodes = _make_network(owner)
+        cluster.nodes = _make_network(tag, subnet)
         with open(conf, "w") as f:
-            f.write(_slurm_conf(folder, _free_port(), [_free_port() for _ in NODES], "root"))
+            f.write(_slurm_conf(folder, subnet, _free_port(), [_free_port() for _ in NODES], "root"))
         open(os.path.join(folder, "plugstack.conf"), "w").close()
         with open(os.path.join(folder, "cgroup.conf"), "w") as f:
             f.write("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")

@@ -1,8 +1,9 @@
 """Dry runs of the cluster templates: the exact command each node would run, with no cluster.
 
-``dry_run_sbatch`` runs an sbatch script with the variables SLURM would set for the job and with
-stand-ins for ``scontrol`` (expands the node list) and ``srun`` (prints, for every node, the
-command and the network variables it would start there, instead of starting it).
+``dry_run_sbatch`` runs an sbatch script with the variables Slurm would set for the job and with
+stand-ins for ``scontrol`` (expands the node list), ``srun`` (runs each task here, with the
+variables Slurm would give it on its node), ``python`` (prints the command and the variables that
+matter instead of running it) and ``ip`` (invents an address per node).
 ``dry_run_machines`` runs ch06_two_machines.sh with ``DRY_RUN=1`` once per machine.
 """
 
@@ -30,17 +31,38 @@ sys.stdout.write("\n".join(names) + "\n")
 '''
 
 _SRUN = r'''#!{python}
-"""Stand-in for srun: print what every node would run, run nothing."""
-import os, shlex, subprocess, sys
-args = sys.argv[1:]
+"""Stand-in for srun: run the task on every "node" here, with the variables Slurm would set."""
+import os, subprocess, sys
+args, opts = sys.argv[1:], {{}}
 while args and args[0].startswith("-"):  # srun's own options
-    args.pop(0)
+    key, _, value = args.pop(0).partition("=")
+    opts[key] = value
+print("srun", " ".join(f"{{k}}={{v}}" if v else k for k, v in opts.items()))
 nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
                        capture_output=True, text=True, check=True).stdout.split()
-net = " ".join(f"{{k}}={{v}}" for k, v in sorted(os.environ.items())
-               if k.startswith(("NCCL_", "GLOO_", "OMP_", "TORCH_DISABLE")))
-for node in nodes:
-    print(f"[{{node}}] {{net}} {{shlex.join(args)}}")
+per_node = int(opts.get("--ntasks-per-node") or os.environ.get("SLURM_NTASKS_PER_NODE", "1"))
+for i, node in enumerate(nodes):
+    for local in range(per_node):
+        env = dict(os.environ, SLURMD_NODENAME=node, SLURM_NODEID=str(i), SLURM_LOCALID=str(local),
+                   SLURM_PROCID=str(i * per_node + local), SLURM_NTASKS=str(len(nodes) * per_node),
+                   SLURM_NTASKS_PER_NODE=str(per_node),
+                   SLURM_CPUS_PER_TASK=opts.get("--cpus-per-task", "1"))
+        out = subprocess.run(args, capture_output=True, text=True, env=env)
+        sys.stdout.write("".join(f"[{{node}}] {{line}}\n" for line in out.stdout.splitlines()))
+        sys.stderr.write(out.stderr)
+'''
+
+_PYTHON = r'''#!{python}
+"""Stand-in for the job's python: print the variables that matter and the command, run nothing."""
+import os, shlex, sys
+keep = ("NCCL_", "GLOO_", "OMP_", "TORCH_DISABLE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
+net = " ".join(f"{{k}}={{v}}" for k, v in sorted(os.environ.items()) if k.startswith(keep))
+print(net, "python", shlex.join(sys.argv[1:]))
+'''
+
+_IP = r'''#!/bin/bash
+# Stand-in for `ip -4 -o addr show dev IF`: node N has the address 10.1.1.(20+N) on every interface.
+echo "2: ${{@: -1}}    inet 10.1.1.$((20 + SLURM_NODEID))/24 brd 10.1.1.255 scope global"
 '''
 
 
@@ -59,18 +81,18 @@ def expand_nodelist(spec):
 
 
 def dry_run_sbatch(script, nodelist="gpu-[01-02]", job_id=4242, cpus_per_task=32, args=(),
-                   env=None):
+                   env=None, job_name="ch06-ddp"):
     """Lines printed by the stand-in srun: one per node, ``[node] VARIABLES command``."""
     with tempfile.TemporaryDirectory(prefix="ch06-dryrun-") as tools:
-        for name, text in (("scontrol", _SCONTROL), ("srun", _SRUN)):
+        for name, text in (("scontrol", _SCONTROL), ("srun", _SRUN), ("python", _PYTHON), ("ip", _IP)):
             path = os.path.join(tools, name)
             with open(path, "w") as f:
                 f.write(text.format(python=sys.executable))
             os.chmod(path, 0o755)
         run_env = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("SLURM_", "NCCL_", "GLOO_", "IFNAME"))}
+                   if not k.startswith(("SLURM_", "NCCL_", "GLOO_", "IFNAME", "PYTHON", "OMP_"))}
         run_env.update(PATH=tools + os.pathsep + os.environ.get("PATH", ""),
-                       SLURM_JOB_ID=str(job_id), SLURM_JOB_NODELIST=nodelist,
+                       SLURM_JOB_ID=str(job_id), SLURM_JOB_NODELIST=nodelist, SLURM_JOB_NAME=job_name,
                        SLURM_NNODES=str(len(expand_nodelist(nodelist))),
                        SLURM_CPUS_PER_TASK=str(cpus_per_task))
         run_env.update(env or {})

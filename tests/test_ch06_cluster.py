@@ -1,7 +1,7 @@
 """Chapter 06: the cluster templates, the two-host network namespaces, and the helper files.
 
-- the SLURM template and the two-machine recipe parse (``bash -n``) and their dry runs print the
-  commands a cluster needs;
+- the Slurm templates and the two-machine recipe parse (``bash -n``) and their dry runs print the
+  commands a cluster needs (tests/test_slurm.py submits the templates to a real, local cluster);
 - the namespaces are made and always removed, also when the code inside fails (root only);
 - the ``ch06_*`` files committed beside the lesson are exactly what its ``%%writefile`` cells write.
 """
@@ -34,7 +34,7 @@ dryrun = _load("ch06_dryrun")
 netns = _load("ch06_netns")
 
 
-@pytest.mark.parametrize("script", ["ch06_slurm.sbatch", "ch06_two_machines.sh"])
+@pytest.mark.parametrize("script", ["ch06_slurm.sbatch", "ch06_slurm_srun.sh", "ch06_two_machines.sh"])
 def test_templates_parse(script):
     r = subprocess.run(["bash", "-n", str(NOTEBOOKS / script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -46,27 +46,52 @@ def test_nodelist_expansion_matches_scontrol():
 
 
 def test_sbatch_dry_run_gives_every_node_the_same_rendezvous():
-    lines = dryrun.dry_run_sbatch(str(NOTEBOOKS / "ch06_slurm.sbatch"), nodelist="gpu-[07-09]",
-                                  job_id=918273, args=["--steps", "5000"], env={"IFNAME": "ib0"})
+    srun, *lines = dryrun.dry_run_sbatch(str(NOTEBOOKS / "ch06_slurm.sbatch"), nodelist="gpu-[07-09]",
+                                         job_id=918273, args=["--steps", "5000"], env={"IFNAME": "ib0"})
+    # Since Slurm 22.05 srun does not take --cpus-per-task from the job: the template passes it.
+    assert srun == "srun --kill-on-bad-exit=1 --cpus-per-task=32"
     assert [line.split("]")[0] for line in lines] == ["[gpu-07", "[gpu-08", "[gpu-09"]
-    commands = {line.split("] ", 1)[1] for line in lines}
-    assert len(commands) == 1, "with c10d every node runs the same command"
+    # Every node runs the same command, except the address it announces on IFNAME.
+    commands = {line.split("] ", 1)[1].replace(f"--local-addr=10.1.1.{20 + i}", "--local-addr=X")
+                for i, line in enumerate(lines)}
+    assert len(commands) == 1, commands
     (cmd,) = commands
     for expected in ("--nnodes=3", "--nproc_per_node=4", "--rdzv_backend=c10d",
-                     "--rdzv_endpoint=gpu-07:38273", "--rdzv_id=918273", "--max-restarts=2",
-                     "NCCL_SOCKET_IFNAME=ib0", "GLOO_SOCKET_IFNAME=ib0",
-                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "OMP_NUM_THREADS=8",
-                     "ch06_train.py --ckpt $SUBMIT_DIR/checkpoints/ch06-918273.pt --steps 5000"):
+                     "--rdzv_endpoint=gpu-07:28273", "--rdzv_id=918273", "--max-restarts=2",
+                     "--local-addr=X", "NCCL_SOCKET_IFNAME=ib0", "GLOO_SOCKET_IFNAME=ib0",
+                     "NCCL_DEBUG=WARN", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "OMP_NUM_THREADS=8",
+                     # named after the job, not its id: a resubmitted job finds the checkpoint
+                     "ch06_train.py --ckpt $SUBMIT_DIR/checkpoints/ch06-ddp.pt"):
         assert expected in cmd, (expected, cmd)
+    assert cmd.endswith("--steps 5000")
+
+
+def test_sbatch_rendezvous_port_is_below_the_ephemeral_range():
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for job_id in (0, 9999, 10000, 987654321):
+        srun, first, *_ = dryrun.dry_run_sbatch(str(NOTEBOOKS / "ch06_slurm.sbatch"), job_id=job_id)
+        port = int(first.split("--rdzv_endpoint=")[1].split()[0].split(":")[1])
+        assert 20000 <= port < min(low, 30000), port
+
+
+def test_srun_only_dry_run_gives_every_task_its_rank_from_slurm():
+    srun, *lines = dryrun.dry_run_sbatch(str(NOTEBOOKS / "ch06_slurm_srun.sh"), nodelist="gpu-[07-08]",
+                                         job_id=4242, cpus_per_task=8, env={"SLURM_NTASKS_PER_NODE": "4"})
+    assert srun == "srun --kill-on-bad-exit=1 --cpus-per-task=8"
+    assert len(lines) == 8 and not any("torch.distributed.run" in line for line in lines)
+    for rank, line in enumerate(lines):
+        node, local = ("gpu-07", "gpu-08")[rank // 4], rank % 4
+        assert line.startswith(f"[{node}] LOCAL_RANK={local} MASTER_ADDR=gpu-07 MASTER_PORT=24242 "), line
+        assert f" RANK={rank} WORLD_SIZE=8 python ch06_train.py" in line, line
 
 
 def test_sbatch_without_ifname_leaves_nccl_to_choose():
-    (first, _) = dryrun.dry_run_sbatch(str(NOTEBOOKS / "ch06_slurm.sbatch"))
-    assert "SOCKET_IFNAME" not in first
+    (_, first, _) = dryrun.dry_run_sbatch(str(NOTEBOOKS / "ch06_slurm.sbatch"))
+    assert "SOCKET_IFNAME" not in first and "--local-addr" not in first
 
 
 def test_two_machine_recipe_differs_only_in_host_and_address():
-    machine = dict(MASTER_ADDR="10.1.1.20", MASTER_PORT=29400, IFNAME="eth1", JOB_ID="run-42")
+    machine = dict(RDZV_HOST="10.1.1.20", RDZV_PORT=29400, IFNAME="eth1", JOB_ID="run-42")
     a, b = dryrun.dry_run_machines(str(NOTEBOOKS / "ch06_two_machines.sh"), {
         "m1": dict(machine, LOCAL_ADDR="10.1.1.20"), "m2": dict(machine, LOCAL_ADDR="10.1.1.21")})
     assert "--rdzv_conf=is_host=1 --local-addr=10.1.1.20" in a
@@ -76,11 +101,18 @@ def test_two_machine_recipe_differs_only_in_host_and_address():
         assert "NCCL_SOCKET_IFNAME=eth1 GLOO_SOCKET_IFNAME=eth1" in line
 
 
+def test_two_machine_recipe_resolves_a_host_name_before_choosing_the_host():
+    machine = dict(RDZV_HOST="localhost", RDZV_PORT=29400, IFNAME="eth1", JOB_ID="run-42")
+    a, b = dryrun.dry_run_machines(str(NOTEBOOKS / "ch06_two_machines.sh"), {
+        "m1": dict(machine, LOCAL_ADDR="127.0.0.1"), "m2": dict(machine, LOCAL_ADDR="10.1.1.21")})
+    assert "--rdzv_conf=is_host=1" in a and "--rdzv_conf=is_host=0" in b
+
+
 def test_two_machine_recipe_refuses_missing_settings():
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "IFNAME")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RDZV_HOST", "IFNAME")}
     r = subprocess.run(["bash", str(NOTEBOOKS / "ch06_two_machines.sh")], capture_output=True,
                        text=True, env=dict(env, DRY_RUN="1"))
-    assert r.returncode != 0 and "MASTER_ADDR" in r.stderr
+    assert r.returncode != 0 and "RDZV_HOST" in r.stderr
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,20 +177,25 @@ def test_gloo_across_hosts_needs_the_interface_name(no_leftover_processes):
 
 
 def _writefile_cells() -> dict[str, str]:
+    """File name -> what the lesson's ``%%writefile`` (and ``%%writefile -a``) cells write."""
     cells = json.loads(LESSON.read_text())["cells"]
     out = {}
     for c in cells:
         src = "".join(c["source"])
         if c["cell_type"] == "code" and src.startswith("%%writefile "):
             first, _, body = src.partition("\n")
-            out[first.split()[1]] = body
+            words = first.split()
+            if words[1] == "-a":
+                out[words[2]] += body.rstrip("\n") + "\n"
+            else:
+                out[words[1]] = body.rstrip("\n") + "\n"
     return out
 
 
 def test_helper_files_match_the_lesson():
     cells = _writefile_cells()
     assert set(cells) == {"ch06_train.py", "ch06_pair.py", "ch06_netns.py", "ch06_two_machines.sh",
-                          "ch06_slurm.sbatch", "ch06_dryrun.py"}
+                          "ch06_slurm.sbatch", "ch06_slurm_srun.sh", "ch06_dryrun.py"}
     for name, body in cells.items():
         on_disk = (NOTEBOOKS / name).read_text()
         # %%writefile writes the cell body plus a final newline

@@ -1,0 +1,157 @@
+"""Chapter 06's Slurm templates, submitted for real to a two-node cluster started on this machine.
+
+``course_utils.slurm_cluster`` starts munged, slurmctld and two slurmd, each node in a network
+namespace of its own (see the module). On it:
+
+- ``ch06_slurm.sbatch`` (torchrun on every node): the agents rendezvous across the link, training
+  ends with the expected result, and every worker may use the CPUs its task asked for;
+- the same job requeued mid-run (``scontrol requeue``) resumes from its checkpoint and ends with a
+  model bit-identical to the uninterrupted run's;
+- ``ch06_slurm_srun.sh`` (srun alone, no torchrun) trains the same model;
+- the cluster leaves no process, namespace or file behind, also when the code using it fails.
+
+Needs root, Linux and the packages slurm-wlm and munge (``.ci/run`` installs them when it runs as
+root); elsewhere every test here is skipped and says why. The jobs are tiny (a few seconds each).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from course_utils import slurm_cluster
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+REASON = slurm_cluster.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no local Slurm cluster: {REASON}")
+
+CPUS = slurm_cluster.CPUS_PER_NODE
+STEPS = ["--steps", "20", "--save-every", "5", "--log-every", "10"]
+
+
+def _left_by(cluster) -> dict:
+    """What the cluster has on the machine right now: names, files, links, processes."""
+    name = f"{slurm_cluster.PREFIX}-{cluster.tag}-"
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    processes = [p.pid for p in psutil.process_iter(["cmdline", "environ"])
+                 if cluster.folder in " ".join(p.info["cmdline"] or [])
+                 or (p.info["environ"] or {}).get("SLURM_CONF") == cluster.conf]
+    return {"namespaces": [n for n in netns.split() if n.startswith(name)],
+            "folders": glob.glob(f"{cluster.folder}*") + glob.glob(f"/etc/netns/{name}*"),
+            "links": [w for w in links.split() if w.startswith(f"{slurm_cluster.PREFIX}{cluster.tag}")],
+            "processes": processes}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with slurm_cluster.local_cluster() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("slurm-jobs")
+    os.chmod(folder, 0o755)
+    return folder
+
+
+def _submit(cluster, work, script, name, *args, options=()):
+    """Submit one of the chapter's templates as a reader would, with CPU-only settings."""
+    env = {"PYTHON": sys.executable, "NPROC_PER_NODE": "1", "CKPT_DIR": str(work),
+           "DATA_DIR": str(work / f"data-{name}"), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    return cluster.sbatch(script, "--show-env", *STEPS, "--out", str(work / f"{name}.pt"), *args,
+                          options=["--job-name", name, "--gpus-per-node=0", f"--cpus-per-task={CPUS}",
+                                   "--time=5", f"--output={work}/%x-%j.out", *options],
+                          env=env, cwd=NOTEBOOKS)
+
+
+def _finish(cluster, work, job, name, timeout=120):
+    info = cluster.wait(job, timeout=timeout)
+    log = (work / f"{name}-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", f"{info}\n{log}\n{cluster.logs()}"
+    return info, log
+
+
+def _env_lines(log):
+    return [json.loads(line[4:]) for line in log.splitlines() if line.startswith("ENV ")]
+
+
+def _same_model(a, b):
+    sa, sb = (torch.load(p, weights_only=True) for p in (a, b))
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, work):
+    job = _submit(cluster, work, "ch06_slurm.sbatch", "plain")
+    return _finish(cluster, work, job, "plain")[1]
+
+
+def test_torchrun_template_trains_on_two_nodes_with_the_cpus_it_asked_for(uninterrupted):
+    workers = _env_lines(uninterrupted)
+    assert sorted((w["SLURMD_NODENAME"], w["GROUP_RANK"], w["RANK"]) for w in workers) == [
+        ("node1", "0", "0"), ("node2", "1", "1")], workers
+    # Node 0's agent announced its host name, which the other node resolves across the link.
+    assert {w["MASTER_ADDR"] for w in workers} == {"node1"}
+    assert {w["host"] for w in workers} == {"node1", "node2"}
+    # --cpus-per-task reached srun: every worker may run on all the CPUs its task asked for,
+    # and OpenMP uses that many threads (one worker per node here).
+    for w in workers:
+        assert len(w["cpus"]) == CPUS and w["OMP_NUM_THREADS"] == str(CPUS), w
+    assert "done: 20 steps" in uninterrupted
+
+
+def test_requeued_job_resumes_from_its_checkpoint_and_ends_equal(cluster, work, uninterrupted):
+    job = _submit(cluster, work, "ch06_slurm.sbatch", "requeued", "--step-time", "0.15")
+    log_path = work / f"requeued-{job}.out"
+    deadline = time.monotonic() + 90
+    while "step  10  checkpoint saved" not in (log_path.read_text() if log_path.exists() else ""):
+        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), cluster.job(job)
+        assert time.monotonic() < deadline, log_path.read_text() if log_path.exists() else "no log"
+        time.sleep(0.2)
+    cluster.run("scontrol", "requeue", job)
+    # Slurm holds a requeued job back for a while (Reason=BeginTime); let it start at once.
+    while cluster.job(job).get("JobState") != "PENDING":
+        time.sleep(0.2)
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    info, log = _finish(cluster, work, job, "requeued")
+    assert info["Restarts"] == "1"
+    assert f"Slurm job {job} run 0" in log and f"Slurm job {job} run 1" in log, log
+    resumed = [line for line in log.splitlines() if "resumed from requeued.pt at step" in line]
+    assert resumed and int(resumed[0].split()[-1]) >= 10, log
+    assert "done: 20 steps" in log
+    assert _same_model(work / "plain.pt", work / "requeued.pt"), "requeued run differs"
+
+
+def test_srun_only_template_trains_the_same_model(cluster, work, uninterrupted):
+    job = _submit(cluster, work, "ch06_slurm_srun.sh", "sruntasks", options=["--ntasks-per-node=1"])
+    _, log = _finish(cluster, work, job, "sruntasks")
+    workers = _env_lines(log)
+    assert sorted((w["SLURMD_NODENAME"], w["RANK"], w["LOCAL_RANK"], w["WORLD_SIZE"]) for w in workers) == [
+        ("node1", "0", "0", "2"), ("node2", "1", "0", "2")], workers
+    assert all(w["TORCHELASTIC_RESTART_COUNT"] is None for w in workers)  # no torchrun involved
+    for w in workers:
+        assert len(w["cpus"]) == CPUS, w
+    assert _same_model(work / "plain.pt", work / "sruntasks.pt"), "srun-only run differs"
+
+
+def test_a_failing_block_leaves_nothing_behind():
+    with pytest.raises(RuntimeError, match="inside"):
+        with slurm_cluster.local_cluster() as c:
+            job = c.sbatch("--wrap", "srun sleep 60", options=["-N", "2", "--output=/dev/null"])
+            c.wait(job, states=("RUNNING",), timeout=30)
+            running = _left_by(c)
+            assert all(running.values()), running  # the check below can see each kind of thing
+            raise RuntimeError("a failure inside the block")
+    left = _left_by(c)
+    assert not any(left.values()), left
