@@ -31,7 +31,7 @@ test: lint
 	$(BIN)/python -m course_utils.exercises --check
 	# One retry per unit test: torch 2.13's gloo process groups can, rarely, abort a worker at
 	# exit (see CONTRIBUTING.md); a test that fails twice fails the run.
-	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --reruns 1 tests
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --reruns 1 -rs tests
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile -p no:randomly --nbval-lax \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks solutions
 
