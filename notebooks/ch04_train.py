@@ -13,7 +13,6 @@ import argparse
 import os
 
 import torch
-import torch._dynamo  # noqa: F401  before init_process_group: see the note in the notebook, section 1
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -22,6 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import course_utils
 from course_utils.data import make_dataset, make_model, split
+from course_utils.workarounds import apply_all
 
 
 def parse_args(argv=None):
@@ -37,22 +37,24 @@ def parse_args(argv=None):
 
 
 def setup():
-    """Bind this process to its device first, then join the process group.
+    """Bind this process to its device, then join the process group.
 
     Returns (device, distributed).  Without RANK in the environment (plain ``python``) there is
     no process group: the script trains alone, like chapter 01.
     """
     if "RANK" not in os.environ:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu"), False
+    apply_all()  # WORKAROUND for a torch bug at process exit (pytorch/pytorch#56297); see its docstring
     choice = course_utils.choose_backend()  # nccl if every local rank has a GPU, else gloo
     local_rank = int(os.environ["LOCAL_RANK"])  # the rank on *this node*, not the global RANK
+    # init_method defaults to env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from the launcher.
     if choice.device_type == "cuda":
-        torch.cuda.set_device(local_rank)  # before any other CUDA call, before init_process_group
         device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # bare "cuda" tensors and object collectives use this GPU
+        dist.init_process_group(choice.backend, device_id=device)  # NCCL communicator created now
     else:
         device = torch.device("cpu")
-    # init_method defaults to env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from the launcher.
-    dist.init_process_group(choice.backend)
+        dist.init_process_group(choice.backend)
     return device, True
 
 
@@ -101,7 +103,7 @@ def main(argv=None):
     finally:
         if distributed:
             # Only now, with the DDP model gone (it lived inside train()): destroying the process
-            # group while a DDP model still holds it can hang on gloo (the notebook measures it).
+            # group while a DDP model still holds it can hang on gloo (chapter 09 shows it).
             dist.destroy_process_group()
 
 
