@@ -16,7 +16,7 @@ A hook must be registered before the first backward pass, and only once per mode
 Free a DDP model (``del model``) *before* calling ``dist.destroy_process_group()``: a DDP model
 that outlives its process group can hang the worker, or abort it ("terminate called without an
 active exception"), when it is finally freed.  Seen with torch 2.13 and gloo, with or without a
-hook, in roughly one exit in four.
+hook, in roughly one exit in four when this was written; chapter 09, section 11 explains the race.
 """
 
 import dataclasses
