@@ -1,5 +1,11 @@
 """Imported once by the launcher's fork server so that every worker starts with torch loaded."""
 
+import os
+
+# This process is the fork server: it must never start one itself (see workers/prewarm.py).
+# Workers do not inherit this: they take the launching kernel's environment.
+os.environ["COURSE_PREWARM"] = "0"
+
 import cloudpickle  # noqa: F401
 import torch  # noqa: F401
 

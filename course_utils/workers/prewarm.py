@@ -5,8 +5,11 @@ The first ``launch`` of a kernel otherwise pays for starting the fork server, wh
 first launch: starting the server then, in a background thread, makes that first launch as quick
 as the following ones.  It happens only in a Jupyter kernel: not in worker processes, not under
 ``torchrun`` or plain ``python``, not in test processes (unless ``COURSE_PREWARM=1``); and
-``COURSE_PREWARM=0`` turns it off.  The fork server exits with its kernel, so a kernel that never
-launches anything leaves nothing behind.
+``COURSE_PREWARM=0`` turns it off.  The background start ends by forking one no-op child through
+the server, which returns once the server has imported torch: :func:`wait_ready` waits for that.
+The fork server exits with its kernel, so a kernel that never launches anything leaves nothing
+behind.  (With ``COURSE_PREWARM=1`` in a script, ``__main__.__file__`` is hidden for a moment
+while the server starts, as during every launch: see ``supervisor.main_module_hidden``.)
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import os
 import sys
 import threading
 
-from .supervisor import fork_server_context
+from .supervisor import fork_server_context, main_module_hidden
 
-__all__ = ["should_prewarm", "start_in_background"]
+__all__ = ["should_prewarm", "start_in_background", "wait_ready"]
 
 _started = threading.Event()
+_ready = threading.Event()
 
 
 def _in_notebook_kernel() -> bool:
@@ -41,17 +45,30 @@ def should_prewarm() -> bool:
     return setting == "1" or _in_notebook_kernel()
 
 
+def wait_ready(timeout: float | None = None) -> bool:
+    """Wait until a background start has finished (True), or ``timeout`` seconds (False)."""
+    return _ready.wait(timeout)
+
+
 def start_in_background() -> threading.Thread | None:
     """Start the fork server from a daemon thread (once per process); None when not wanted."""
     if _started.is_set() or not should_prewarm():
         return None
     _started.set()
     def run() -> None:
-        fork_server_context()
+        ctx = fork_server_context()
         try:
-            multiprocessing.forkserver.ensure_running()
+            with main_module_hidden():
+                multiprocessing.forkserver.ensure_running()
+                # A no-op child: it returns once the server has finished importing torch.
+                child = ctx.Process(target=os.getpid, name="course-prewarm")
+                child.start()
+            child.join()
+            child.close()
         except Exception:  # the first launch will start it, and report any problem itself
             pass
+        finally:
+            _ready.set()
 
     t = threading.Thread(target=run, name="course-prewarm", daemon=True)
     t.start()

@@ -61,7 +61,7 @@ from .errors import RankFailure, WorkerError, WorkerTimeout
 from .lines import LineSplitter
 from .reports import decode_frames
 
-__all__ = ["launch", "free_port", "fork_server_context", "loopback_listener"]
+__all__ = ["launch", "free_port", "fork_server_context", "loopback_listener", "main_module_hidden"]
 
 PRELOAD = "course_utils._preload"
 
@@ -131,7 +131,7 @@ def _dumps(obj: Any) -> bytes:
 
 
 @contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
+def main_module_hidden() -> Iterator[None]:
     """Stop multiprocessing from re-running the caller's script in every worker.
 
     multiprocessing normally re-imports ``__main__`` in each child so that pickled references to
@@ -231,7 +231,7 @@ def _start_rank(ctx: Any, rank: int, spec: dict, payload: bytes) -> tuple[_Rank,
         name=f"course-rank{rank}",
         daemon=False,
     )
-    with _main_module_hidden():
+    with main_module_hidden():
         proc.start()
     for _, w in pipes.values():
         w.close()  # the child has its own copy now

@@ -1,0 +1,177 @@
+"""The pieces of ``course_utils.workers`` that the launcher tests do not reach directly.
+
+- every socket a launch opens, in the launcher or in its workers, listens on loopback only;
+- the thread budget follows the CPU affinity and the cgroup quota, not the machine's core count;
+- the fork server is started early in a notebook kernel, and only there;
+- output is split into whole lines the same way for workers and commands.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_utils import launch
+from course_utils.workers import budget
+from course_utils.workers.lines import LineSplitter
+
+ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+# --------------------------------------------------------------------------------------------
+# The store and the process group listen on loopback only
+# --------------------------------------------------------------------------------------------
+
+
+def _listening_sockets(launcher_pid: int) -> list[tuple[int, str, int]]:
+    """Worker: join a gloo group, then (rank 0) list what the launch's processes listen on."""
+    dist.init_process_group("gloo")
+    t = torch.ones(4)
+    dist.all_reduce(t)  # gloo's pairs are connected by now
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    out = []
+    if dist.get_rank() == 0:
+        mine = {launcher_pid, *pids}
+        for c in psutil.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN and c.pid in mine:
+                out.append((c.pid, c.laddr.ip, c.laddr.port))
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_no_socket_of_a_launch_listens_beyond_loopback():
+    found = launch(_listening_sockets, 2, args=(os.getpid(),), timeout=60, display=None)[0]
+    assert found, "no listening socket seen: the test proves nothing"
+    assert any(pid == os.getpid() for pid, _, _ in found), "the store's socket was not seen"
+    outside = [(pid, ip, port) for pid, ip, port in found if ip not in LOOPBACK]
+    assert not outside, f"listening beyond loopback (pid, address, port): {outside}"
+
+
+# --------------------------------------------------------------------------------------------
+# Thread budget
+# --------------------------------------------------------------------------------------------
+
+
+def test_thread_budget_follows_the_cpu_affinity():
+    code = "from course_utils.workers.budget import cpu_threads_per_worker as t; print(t(1), t(2))"
+    out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out == ["1", "1"]
+
+
+def _fake_cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_max: str | None) -> Path:
+    root = tmp_path / "cgroup"
+    leaf = root / "user.slice" / "learner"
+    leaf.mkdir(parents=True)
+    if cpu_max is not None:
+        (leaf / "cpu.max").write_text(cpu_max + "\n")
+    proc = tmp_path / "proc_self_cgroup"
+    proc.write_text("0::/user.slice/learner\n")
+    monkeypatch.setattr(budget, "CGROUP_ROOT", root)
+    return proc
+
+
+def test_cgroup_v2_quota_caps_the_budget(tmp_path, monkeypatch):
+    proc = _fake_cgroup(tmp_path, monkeypatch, "200000 100000")  # 2 CPUs
+    assert budget.cgroup_cpu_limit(str(proc)) == 2.0
+    monkeypatch.setattr(budget, "cgroup_cpu_limit", lambda: 2.0)
+    monkeypatch.setattr(budget, "_affinity_cpus", lambda: 64)
+    assert budget.usable_cpus() == 2
+    assert budget.cpu_threads_per_worker(2) == 1  # not 32 on a 64-core host
+
+
+def test_unlimited_or_missing_cgroup_quota_leaves_the_affinity(tmp_path, monkeypatch):
+    assert budget.cgroup_cpu_limit(str(_fake_cgroup(tmp_path, monkeypatch, "max 100000"))) is None
+    assert budget.cgroup_cpu_limit(str(tmp_path / "does-not-exist")) is None
+    monkeypatch.setattr(budget, "cgroup_cpu_limit", lambda: None)
+    monkeypatch.setattr(budget, "_affinity_cpus", lambda: 6)
+    assert budget.cpu_threads_per_worker(2) == 3
+
+
+def test_a_fractional_quota_still_gets_one_core(monkeypatch):
+    monkeypatch.setattr(budget, "cgroup_cpu_limit", lambda: 0.5)
+    monkeypatch.setattr(budget, "_affinity_cpus", lambda: 8)
+    assert budget.usable_cpus() == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Fork server started early in a notebook kernel only
+# --------------------------------------------------------------------------------------------
+
+_PROBE = textwrap.dedent("""
+    import os, sys, time, psutil
+    t0 = time.perf_counter()
+    import course_utils
+    imported = time.perf_counter() - t0
+    time.sleep(float(sys.argv[1]))
+    me = psutil.Process()
+    servers = [p for p in me.children() if "forkserver" in " ".join(p.cmdline())]
+    print(len(servers), round(imported, 2))
+""")
+
+
+def _probe(env: dict[str, str], wait: float = 3.0) -> int:
+    full = {k: v for k, v in os.environ.items() if k not in ("COURSE_PREWARM", "COURSE_LAUNCHER")}
+    full.update(env)
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(wait)], capture_output=True, text=True,
+                         timeout=120, env=full, cwd=ROOT, check=True).stdout.split()
+    return int(out[0])
+
+
+def test_plain_python_and_test_processes_start_no_fork_server_on_import():
+    assert _probe({}) == 0
+
+
+def test_a_worker_or_a_torchrun_script_starts_none_even_when_asked():
+    assert _probe({"COURSE_PREWARM": "1", "TORCHELASTIC_RUN_ID": "x"}) == 0
+    assert _probe({"COURSE_PREWARM": "1", "COURSE_LAUNCHER": "1"}) == 0
+
+
+def test_prewarm_starts_the_fork_server_in_the_background_and_it_exits_with_the_process():
+    assert _probe({"COURSE_PREWARM": "1"}) == 1
+    # The probe process has exited: its fork server must be gone too (checked by the autouse
+    # fixture for this process's children; here, any orphaned server of a finished probe).
+    time.sleep(0.5)
+    orphans = [p for p in psutil.process_iter(["cmdline", "ppid"])
+               if "forkserver" in " ".join(p.info["cmdline"] or []) and p.info["ppid"] == 1]
+    assert not orphans
+
+
+def test_prewarmed_first_launch_is_quick():
+    code = textwrap.dedent("""
+        import time, course_utils
+        from course_utils.workers import prewarm
+        assert prewarm.wait_ready(90)  # the learner reads the notebook meanwhile
+        t = time.perf_counter()
+        course_utils.launch(int, 2, display=None)
+        print(time.perf_counter() - t)
+    """)
+    env = dict(os.environ, COURSE_PREWARM="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=ROOT, check=True).stdout.split()
+    assert float(out[-1]) < 1.0  # about 0.1-0.3 s on a quiet 2-core machine; 2 s without prewarm
+
+
+# --------------------------------------------------------------------------------------------
+# Lines
+# --------------------------------------------------------------------------------------------
+
+
+def test_line_splitter_keeps_partial_lines_until_they_end():
+    s = LineSplitter()
+    assert s.feed(b"hel") == []
+    assert s.feed(b"lo\nwor") == ["hello"]
+    assert s.feed("ld \u00e9\r\nnext\n".encode()) == ["world \u00e9", "next"]
+    assert s.feed(b"tail") == [] and s.flush() == ["tail"] and s.flush() == []
