@@ -15,6 +15,8 @@ One module per job:
 - ``diagnose``    tools of the troubleshooting chapter (reachability, stragglers, duplicates, stacks)
 - ``resources``   CPU/GPU memory and utilisation samplers
 - ``doctor``      the environment self-check (``python -m course_utils.doctor``)
+- ``gpu_check``   run every notebook on a GPU machine and write a report (``make gpu-check``)
+- ``slurm_cluster`` a throwaway two-node Slurm cluster on this machine (chapter 06 and its tests)
 - ``workarounds`` workarounds for bugs of the installed torch, each with its upstream issue
 """
 
