@@ -89,8 +89,10 @@ def dry_run_sbatch(script, nodelist="gpu-[01-02]", job_id=4242, cpus_per_task=32
             with open(path, "w") as f:
                 f.write(text.format(python=sys.executable))
             os.chmod(path, 0o755)
+        # Nothing of this machine's environment that the scripts read: the same output everywhere.
         run_env = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("SLURM_", "NCCL_", "GLOO_", "IFNAME", "PYTHON", "OMP_"))}
+                   if not k.startswith(("SLURM_", "NCCL_", "GLOO_", "IFNAME", "PYTHON", "OMP_", "TMPDIR",
+                                        "CKPT_DIR", "DATA_DIR", "RUN_ID", "TRAIN", "NPROC_PER_NODE"))}
         run_env.update(PATH=tools + os.pathsep + os.environ.get("PATH", ""),
                        SLURM_JOB_ID=str(job_id), SLURM_JOB_NODELIST=nodelist, SLURM_JOB_NAME=job_name,
                        SLURM_NNODES=str(len(expand_nodelist(nodelist))),

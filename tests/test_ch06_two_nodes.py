@@ -107,7 +107,8 @@ def test_timeout_kills_agents_and_their_workers(job, no_leftover_processes):
     cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", f"--rdzv_id={job.name}",
                       "ch06_train.py", "--steps", "100000000", "--log-every", "0", "--show-env",
                       "--out", str(job / "final.pt")]
-    (result,) = run_commands({"node0": cmd}, timeout=12, env=QUIET, cwd=NOTEBOOKS, echo=False)
+    # Long enough for an agent and two workers to import torch on a busy 2-core machine.
+    (result,) = run_commands({"node0": cmd}, timeout=25, env=QUIET, cwd=NOTEBOOKS, echo=False)
     assert result.timed_out and result.returncode is None
     # The workers had started (they print ENV before joining), so the teardown reached them.
     assert len(_env_rows([result])) == 2, result.output[-1500:]
