@@ -26,6 +26,11 @@ What the numbers mean:
 - *CPU %* follows ``top``: 100 % is one core fully busy, so two busy processes show 200 %.
 - *RSS* sums the resident memory of the processes; pages that forked processes share are counted
   once per process, so the total overstates real use.  Watch how it *changes*, not its level.
+
+GPU numbers are NVML's (``nvidia-smi``'s), which count every GPU of the machine in PCI order.  CUDA
+counts only the GPUs in ``CUDA_VISIBLE_DEVICES``, so with ``CUDA_VISIBLE_DEVICES=2,3`` the job's
+``cuda:0`` is NVML's GPU 2.  ``ResourceSampler(gpus="auto")`` samples exactly the GPUs this process
+may use (``visible_gpus()`` does the translation); a list of indices means NVML indices.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["ResourceSampler", "gpu_summary", "nvml_available"]
+__all__ = ["ResourceSampler", "gpu_summary", "nvml_available", "visible_gpus"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,6 +114,38 @@ def _read_gpu(nv, index: int, *, details: bool) -> dict:
     return row
 
 
+def visible_gpus(nv: Any = None) -> list[int]:
+    """NVML indices of the GPUs this process's CUDA may use, in CUDA's order (``cuda:0`` first).
+
+    Every GPU when ``CUDA_VISIBLE_DEVICES`` is unset; else its entries, which are NVML indices
+    (CUDA numbers them in the same PCI order when the GPUs are alike, or with
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``) or ``GPU-`` UUIDs.  CUDA stops at the first entry it cannot
+    use, and so does this.  ``[]`` without NVML.
+    """
+    nv = nv or _nvml()
+    if nv is None:
+        return []
+    count = _gpu_count(nv)
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return list(range(count))
+    out: list[int] = []
+    for entry in (e.strip() for e in env.split(",")):
+        if entry.isdigit() and int(entry) < count:
+            index = int(entry)
+        elif entry.startswith("GPU-"):
+            try:
+                index = int(nv.nvmlDeviceGetIndex(nv.nvmlDeviceGetHandleByUUID(entry)))
+            except Exception:  # a UUID prefix, a MIG instance, an unknown GPU
+                break
+        else:
+            break
+        if index in out:
+            break
+        out.append(index)
+    return out
+
+
 def gpu_summary() -> list[dict]:
     """One NVML reading per GPU: name, utilisation, memory (MiB), temperature, power.
 
@@ -144,8 +181,8 @@ class ResourceSampler:
     children:
         Include every descendant process (``launch`` workers, DataLoader workers).
     gpus:
-        ``"auto"`` (every GPU NVML sees, none without NVML), ``None`` (no GPU sampling, CPU only),
-        or a list of GPU indices.
+        ``"auto"`` (the GPUs this process's CUDA may use, see ``visible_gpus``; none without
+        NVML), ``None`` (no GPU sampling, CPU only), or a list of NVML GPU indices.
 
     After the ``with`` block, ``samples`` is a list of dicts with the keys ``t`` (seconds since
     the start), ``cpu_percent`` (the watched tree; 100 = one core), ``rss_mb`` (the tree),
@@ -177,7 +214,7 @@ class ResourceSampler:
             nv = _nvml()
             if nv is not None:
                 count = _gpu_count(nv)
-                wanted = range(count) if gpus == "auto" else list(gpus)
+                wanted = visible_gpus(nv) if gpus == "auto" else list(gpus)
                 self.gpu_indices = [i for i in wanted if 0 <= i < count]
                 self._nv = nv if self.gpu_indices else None
 

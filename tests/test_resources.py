@@ -49,6 +49,14 @@ def _fake_pynvml(gpus: int = 2, fail_init: bool = False) -> types.ModuleType:
     nv.nvmlDeviceGetName = lambda h: b"Fake GPU"  # old pynvml versions return bytes
     nv.nvmlDeviceGetTemperature = lambda h, kind: 40 + h
     nv.nvmlDeviceGetPowerUsage = lambda h: 100_000  # milliwatts
+    nv.nvmlDeviceGetIndex = lambda h: h
+
+    def by_uuid(uuid):
+        if uuid not in [f"GPU-{i:04d}" for i in range(gpus)]:
+            raise RuntimeError("Not Found")
+        return int(uuid[4:])
+
+    nv.nvmlDeviceGetHandleByUUID = by_uuid
     return nv
 
 
@@ -85,6 +93,7 @@ def test_no_driver_means_no_gpu(monkeypatch, fresh_nvml):
 
 
 def test_sampler_reads_gpus_in_the_background(monkeypatch, fresh_nvml):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     fake = _fake_pynvml(gpus=2)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     with resources.ResourceSampler(interval=0.02) as rs:
@@ -152,3 +161,21 @@ def test_sampler_arguments_are_checked():
     finally:
         rs.stop()
     assert rs._thread is None
+
+
+def test_auto_samples_the_gpus_cuda_may_use(monkeypatch, fresh_nvml):
+    """NVML numbers every GPU of the machine; CUDA_VISIBLE_DEVICES=2,3 makes NVML's GPU 2 the
+    job's cuda:0, and "auto" must sample GPUs 2 and 3, in that order, not 0 and 1."""
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(gpus=4))
+    for env, expected in [(None, [0, 1, 2, 3]), ("2,3", [2, 3]), ("3,1", [3, 1]),
+                          ("GPU-0002,GPU-0000", [2, 0]), ("1,7,2", [1]), ("GPU-9999", []),
+                          ("", []), ("-1", [])]:
+        if env is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+        assert resources.visible_gpus() == expected, env
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    rs = resources.ResourceSampler(interval=0.02)
+    assert rs.gpu_indices == [2, 3]
+    assert resources.ResourceSampler(interval=0.02, gpus=[0]).gpu_indices == [0]  # NVML indices
