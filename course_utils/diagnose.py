@@ -497,7 +497,7 @@ def explain(exc: BaseException, *, lines: int = 2, show: bool = True) -> str:
     For a rank that raised: its exception type and the first ``lines`` lines of the message.
     For a rank that was stuck at the timeout: where it was stuck (see ``stuck_where``).
     """
-    from .launcher import WorkerError
+    from .workers.errors import WorkerError
 
     if not isinstance(exc, WorkerError):
         text = f"{type(exc).__name__}: " + "\n".join(_first_lines(str(exc), lines))

@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from course_utils import diagnose, free_port
-from course_utils.launcher import RankFailure, WorkerError, WorkerTimeout
+from course_utils import RankFailure, WorkerError, WorkerTimeout, diagnose, free_port
 
 # ---- start-up checks -------------------------------------------------------------------------
 
