@@ -59,7 +59,8 @@ bench: $(BIN)/.installed
 # The course on a GPU machine (README: "Running on a GPU"). `make gpu-wheels`, on a machine with
 # network, fills gpu-wheels/ for the GPU machine's Python; `make gpu-check`, there, runs every
 # notebook with that machine's own python3 and torch and writes gpu-report/. DRY=1 only prints.
-GPU_PYTHON ?= python3
+# The course's .venv when there is one (a workstation, CI), else the machine's python3.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 GPU_PY_VERSION ?= 3.12
 GPU_CHECK_ARGS ?=
 
