@@ -26,8 +26,9 @@ It reads only its own ``slurm.conf`` (``SLURM_CONF`` in :attr:`LocalCluster.env`
 own ports and keeps its state, spool and logs in its own folder, so a Slurm installation the
 machine already has is left alone. :meth:`LocalCluster.stop` (run by the ``with`` block, also on an
 error or Ctrl-C, and at interpreter exit) cancels the jobs, stops every daemon, kills whatever is
-left in the node namespaces, deletes the namespaces and the folder. Leftovers of a run that was
-killed before it could clean up are removed by the next start.
+left in the node namespaces, deletes the namespaces and the folder. If the process that started the
+cluster is killed outright, its daemons get SIGTERM from the kernel (a parent-death signal), and
+the namespaces and files it left are removed by the next start (or ``remove_leftovers()``).
 
 Needs Linux, root, the ``ip`` tool, ``unshare``, and the Debian packages ``slurm-wlm`` and
 ``munge`` (Slurm 22.05 was used to write this); :func:`unavailable_reason` says what is missing.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import dataclasses
 import glob
 import os
@@ -98,6 +100,16 @@ def _free_subnet():
     """The first K for which this machine has no address in NETWORK.K.0/24."""
     taken = _run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
     return next((k for k in range(100) if f" {NETWORK}.{k}." not in taken), None)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_us():
+    """Runs in each daemon between fork and exec: the kernel sends it SIGTERM when the process that
+    started it dies, even by SIGKILL, so that no daemon outlives a killed notebook or test."""
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _sbin(name):
@@ -414,11 +426,11 @@ def start(timeout: float = 30.0) -> LocalCluster:
             [_sbin("munged"), "--foreground", "--force", f"--key-file={key}",
              f"--socket={m}/munge.socket", f"--pid-file={folder}/munged.pid",
              f"--log-file={folder}/log/munged.log", f"--seed-file={m}/munged.seed"],
-            stdout=log, stderr=log, start_new_session=True))
+            stdout=log, stderr=log, start_new_session=True, preexec_fn=_die_with_us))
         _wait_for(lambda: os.path.exists(f"{m}/munge.socket"), "munged listening", timeout, folder)
         cluster._procs.append(subprocess.Popen(
             [_sbin("slurmctld"), "-D", "-i", "-f", conf], stdout=log, stderr=log, env=env,
-            start_new_session=True))
+            start_new_session=True, preexec_fn=_die_with_us))
         for name, netns in cluster.nodes.items():
             # Own network (ip netns exec, which also mounts the node's /etc/hosts) and own host
             # name (unshare --uts): the node looks like a machine called `name`.
@@ -426,7 +438,8 @@ def start(timeout: float = 30.0) -> LocalCluster:
                 ["ip", "netns", "exec", netns, "unshare", "--uts", "sh", "-c",
                  f"hostname {name} && {_MOUNT_CGROUPS} && "
                  f'exec {_sbin("slurmd")} -D -N {name} -f "$SLURM_CONF"'],
-                stdout=log, stderr=log, env=env, start_new_session=True))
+                stdout=log, stderr=log, env=env, start_new_session=True,
+                preexec_fn=_die_with_us))
 
         def idle():
             r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True,
