@@ -75,6 +75,9 @@ def checker(exercise: str) -> Callable:
                     f"[{exercise}] not done yet: the code still raises NotImplementedError ({e}). "
                     "Replace the stub with your solution and run the check again."
                 ) from None
+            except WorkerError as e:  # a launch outside run_workers: at least name a stub
+                _record(exercise, False)
+                raise CheckFailed(f"[{exercise}] {_error_message(e, NullDisplay(0), '')}") from None
             except Exception as e:  # the learner's code crashed in this process
                 _record(exercise, False)
                 raise CheckFailed(f"[{exercise}] your code raised {type(e).__name__}: {e}") from e
