@@ -6,6 +6,8 @@ usual mistakes, each with a message that names it.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,8 +52,45 @@ def mean_of_elements(tensor):
     tensor.fill_(tensor.mean().item())
 
 
-def test_mean_accepts_reduce_then_broadcast(capsys):
-    check_all_reduce_mean(mean_right)
+def mean_all_gather_then_average(tensor):
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    tensor.copy_(torch.stack(parts).mean(0))
+
+
+def mean_reduce_scatter_all_gather_padded(tensor):
+    world = dist.get_world_size()
+    flat = tensor.reshape(-1)
+    size = -(-flat.numel() // world)  # ceil: equal pieces, the last one padded with zeros
+    padded = torch.cat([flat, flat.new_zeros(size * world - flat.numel())])
+    pieces = list(padded.chunk(world))
+    mine = torch.empty(size, dtype=tensor.dtype)
+    dist.reduce_scatter(mine, pieces)
+    mine /= world
+    dist.all_gather(pieces, mine)
+    tensor.copy_(torch.cat(pieces)[: flat.numel()].view_as(tensor))
+
+
+def mean_rebinds_the_name(tensor):
+    dist.reduce(tensor, dst=0)
+    dist.broadcast(tensor, src=0)
+    tensor = tensor / dist.get_world_size()  # a new tensor: the caller's keeps the sum
+
+
+def mean_all_gather_unequal_pieces(tensor):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pieces = list(tensor.reshape(-1).tensor_split(world))
+    mine = torch.empty_like(pieces[rank])
+    dist.reduce_scatter(mine, [p.clone() for p in pieces])
+    mine /= world
+    dist.all_gather(pieces, mine)  # gloo: pieces must all have the same size
+
+
+@pytest.mark.parametrize("right", [mean_right, mean_all_gather_then_average,
+                                   mean_reduce_scatter_all_gather_padded],
+                         ids=lambda f: f.__name__)
+def test_mean_accepts_several_right_answers(right, capsys):
+    check_all_reduce_mean(right)
     assert "[PASS] 03.a all-reduce mean" in capsys.readouterr().out
 
 
@@ -60,6 +99,10 @@ def test_mean_accepts_reduce_then_broadcast(capsys):
     (mean_uses_all_reduce, r"called a collective this exercise excludes \(dist\.all_reduce"),
     (mean_returns_new_tensor, r"unchanged on every rank.*You returned the mean"),
     (mean_of_elements, r"mean of this rank's own elements"),
+    (mean_rebinds_the_name, r"Your line `tensor = tensor / dist.get_world_size\(\)` rebinds the local name.*"
+                            r"tensor /= n"),
+    (mean_all_gather_unequal_pieces, r"(?s)allgather: invalid tensor size.*gloo's all_gather needs every "
+                                     r"rank's piece to have the same size.*Pad the flattened tensor"),
 ], ids=lambda v: getattr(v, "__name__", "msg"))
 def test_mean_rejects_typical_mistakes(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -180,16 +223,88 @@ def ring_returns_new_tensor(tensor):
     return out
 
 
-def test_ring_accepts_a_ring(capsys):
-    check_ring_all_reduce(ring_right)
+def ring_other_direction(tensor):
+    """A ring the other way round, with irecv and one flat receive buffer."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pieces = tensor.view(-1).tensor_split(world)
+    to, frm = (rank - 1) % world, (rank + 1) % world
+    buf = torch.empty(pieces[0].numel(), dtype=tensor.dtype)
+    for s in range(world - 1):
+        send_i, recv_i = (rank + s) % world, (rank + s + 1) % world
+        incoming = buf[: pieces[recv_i].numel()]
+        reqs = [dist.isend(pieces[send_i], to), dist.irecv(incoming, frm)]
+        for r in reqs:
+            r.wait()
+        pieces[recv_i].add_(incoming)
+    for s in range(world - 1):
+        send_i, recv_i = (rank - 1 + s) % world, (rank + s) % world
+        reqs = [dist.isend(pieces[send_i], to), dist.irecv(pieces[recv_i], frm)]
+        for r in reqs:
+            r.wait()
+
+
+def ring_overwrites_in_reduce_scatter(tensor):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pieces = tensor.view(-1).tensor_split(world)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for _phase in range(2):
+        for s in range(world - 1):
+            send_i, recv_i = (rank - s + _phase) % world, (rank - s - 1 + _phase) % world
+            req = dist.isend(pieces[send_i].clone(), right)
+            dist.recv(pieces[recv_i], left)  # both phases copy: the partial sums are lost
+            req.wait()
+
+
+def ring_direct_exchange(tensor):
+    """Right answer, right byte count, no ring: piece k goes straight to rank k, and back to all."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pieces = tensor.view(-1).tensor_split(world)
+    sends = [dist.isend(pieces[p].clone(), p) for p in range(world) if p != rank]
+    for p in range(world):
+        if p != rank:
+            buf = torch.empty_like(pieces[rank])
+            dist.recv(buf, p)
+            pieces[rank].add_(buf)
+    for r in sends:
+        r.wait()
+    sends = [dist.isend(pieces[rank], p) for p in range(world) if p != rank]
+    for p in range(world):
+        if p != rank:
+            dist.recv(pieces[p], p)
+    for r in sends:
+        r.wait()
+
+
+def ring_swaps_whole_tensor(tensor):
+    """Right at N = 2, with the ring's byte count: one swap of the whole tensor with the neighbour."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    buf = torch.empty_like(tensor)
+    req = dist.isend(tensor.clone(), (rank + 1) % world)
+    dist.recv(buf, (rank - 1) % world)
+    req.wait()
+    tensor += buf
+
+
+def ring_rank1_fails(tensor):
+    if dist.get_rank() == 1:
+        raise ValueError("piece index out of range on rank 1")
+    ring_right(tensor)
+
+
+@pytest.mark.parametrize("right", [ring_right, ring_other_direction], ids=lambda f: f.__name__)
+def test_ring_accepts_several_rings(right, capsys):
+    check_ring_all_reduce(right)
     assert "[PASS] 03.b ring all-reduce" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
-    (ring_reduce_scatter_only, r"partial sums: that is the state after the reduce-scatter phase.*all-gather phase is missing"),
+    (ring_reduce_scatter_only, r"partial sums: that is the state after the reduce-scatter phase"
+                               r".*all-gather phase is missing"),
     (ring_assumes_divisible, r"(?s)7 elements\), dtype float32: RuntimeError.*assuming the size divides"),
     (ring_adds_in_all_gather, r"full sum PLUS a partial sum.*the all-gather phase adds"),
-    (ring_send_everything, r"rank \d of 3 sent \d+ bytes.*is not a ring all-reduce"),
+    (ring_send_everything, r"rank \d of 2 sent a message of \d+ bytes.*more than one piece"),
+    (ring_overwrites_in_reduce_scatter, r"every piece holds ONE rank's input.*overwrites what it receives"),
+    (ring_direct_exchange, r"rank \d of 3 sent to rank\(s\) \[\d, \d\].*that is not a ring"),
     (ring_uses_all_reduce, r"called a collective this exercise excludes \(dist\.all_reduce"),
     (ring_returns_new_tensor, r"the tensor is unchanged.*You returned the sum"),
 ], ids=lambda v: getattr(v, "__name__", "msg"))
@@ -210,3 +325,23 @@ def test_ring_stub_is_not_done():
 
     with pytest.raises(CheckFailed, match=r"not done yet.*Exercise 03\.b ring all-reduce"):
         check_ring_all_reduce(stub)
+
+
+def test_ring_counts_the_bytes_of_whole_tensors_sent_to_every_rank():
+    with pytest.raises(CheckFailed, match=r"rank \d of 3 sent \d+ bytes.*is not a ring all-reduce"):
+        check_ring_all_reduce(ring_send_everything, worlds=(3,))
+
+
+def test_ring_rejects_a_whole_tensor_swap_at_two_ranks():
+    # At N = 2 the swap sends exactly the ring's 2(N-1)/N x size: only the message size tells.
+    with pytest.raises(CheckFailed, match=r"rank \d of 2 sent a message of \d+ bytes.*more than one "
+                                          r"piece.*when N = 2"):
+        check_ring_all_reduce(ring_swaps_whole_tensor, worlds=(2,))
+
+
+def test_ring_quotes_the_root_cause_not_the_peer_reset():
+    with pytest.raises(CheckFailed) as info:
+        check_ring_all_reduce(ring_rank1_fails, worlds=(2,), timeout=20)
+    message = str(info.value)
+    assert "rank 1" in message and "ValueError: piece index out of range on rank 1" in message
+    assert not re.search(r"Connection (closed|reset)", message), message

@@ -15,8 +15,11 @@ counted (calls and bytes sent).
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
 import re
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,6 +60,9 @@ class _Guard:
         self.sent_bytes = 0
         self.sends = 0
         self.recvs = 0
+        self.largest_send = 0  # bytes of the largest single message
+        self.send_peers: set[int] = set()
+        self.recv_peers: set[int | None] = set()
         self._saved: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> _Guard:
@@ -67,11 +73,16 @@ class _Guard:
 
         def counted(name: str, fn: Callable) -> Callable:
             def f(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                peer = args[0] if args else kwargs.get("dst" if name in _P2P_SEND else "src")
                 if name in _P2P_SEND:
+                    nbytes = tensor.numel() * tensor.element_size()
                     self.sends += 1
-                    self.sent_bytes += tensor.numel() * tensor.element_size()
+                    self.sent_bytes += nbytes
+                    self.largest_send = max(self.largest_send, nbytes)
+                    self.send_peers.add(peer)
                 else:
                     self.recvs += 1
+                    self.recv_peers.add(peer)
                 return fn(tensor, *args, **kwargs)
             return f
 
@@ -129,6 +140,8 @@ def _run_cases(fn: Callable, cases: list, forbidden: Sequence[str], mean: bool) 
                 "expected": expected.cpu(), "got": t.detach().cpu(),
                 "returned": ret.detach().cpu() if isinstance(ret, torch.Tensor) else None,
                 "sent_bytes": guard.sent_bytes, "sends": guard.sends, "recvs": guard.recvs,
+                "largest_send": guard.largest_send, "send_peers": sorted(guard.send_peers),
+                "recv_peers": sorted(guard.recv_peers, key=lambda p: -1 if p is None else p),
             })
             dist.barrier()  # every rank finishes a case before the next one starts
     finally:
@@ -188,7 +201,13 @@ def _error_explainer(what: str, world: int, forbidden: Sequence[str]) -> Callabl
         if f.exc_type == "_CaseError":
             m = re.search(r"\((\d+) elements\)", f.message)
             hint = ""
-            if m and int(m.group(1)) % world:
+            if re.search(r"allgather: invalid tensor size", f.message):
+                hint = ("\nUsual mistake: pieces of different sizes in all_gather. torch.tensor_split "
+                        "cuts a size that does not divide by the world size into pieces that differ "
+                        "by one, and gloo's all_gather needs every rank's piece to have the same size. "
+                        "Pad the flattened tensor with zeros to a multiple of the world size, use "
+                        "equal pieces, and drop the padding when you copy the result back.")
+            elif m and int(m.group(1)) % world:
                 hint = (f"\nUsual mistake: assuming the size divides by the world size "
                         f"({m.group(1)} elements on {world} ranks). Split the flattened tensor "
                         "with torch.tensor_split(flat, world): pieces may differ in size by "
@@ -212,6 +231,37 @@ def _run(fn: Callable, worlds: Sequence[int], cases: list, forbidden: Sequence[s
 # --------------------------------------------------------------------------------------------
 # 03.a all-reduce mean from other primitives
 # --------------------------------------------------------------------------------------------
+#
+# What learners get wrong, and the message each one gets (tests/test_ch03_collectives.py holds
+# an answer written with each misconception):
+# - "the sum is enough": no division by the world size -> "got the SUM ... Divide by";
+# - "dist.reduce gives everybody the result": it leaves it on dst only -> "follow it with
+#   dist.broadcast";
+# - "the mean is over the tensor's elements" -> "mean of this rank's own elements";
+# - "returning the result is the same as all_reduce" -> "must work in place ... You returned";
+# - "`tensor = tensor / n` changes the caller's tensor": it rebinds a local name -> "rebinds";
+# - "torch.tensor_split makes any size work with all_gather": gloo's all_gather needs pieces of
+#   equal size -> "Pad the flattened tensor";
+# - "all_reduce is just another collective" -> "called a collective this exercise excludes".
+
+
+def _rebinding(fn: Callable, what: str = "") -> str:
+    """The source line where ``fn`` assigns to its first parameter (``tensor = tensor / n``), or ''."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(source)
+        params = list(inspect.signature(fn).parameters)
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return ""
+    if not params:
+        return ""
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign) else [])
+        for t in targets:
+            if isinstance(t, ast.Name) and t.id == params[0]:
+                return ast.get_source_segment(source, node) or f"{params[0]} = ..."
+    return ""
 
 _MEAN_CASES = [((6,), "float32"), ((3, 5), "float64"), ((4,), "float32")]
 
@@ -238,6 +288,13 @@ def check_all_reduce_mean(all_reduce_mean: Callable[[torch.Tensor], Any], *,
             if got.dtype != exp.dtype or got.shape != exp.shape:
                 raise CheckFailed(f"on {where}: the tensor changed to shape {tuple(got.shape)} / "
                                   f"dtype {got.dtype}; it must keep its shape and dtype.")
+            rebind = _rebinding(all_reduce_mean)
+            if rebind and (_close(got, exp * world) or torch.equal(got, inp)):
+                raise CheckFailed(
+                    f"on {where}: the caller's tensor does not hold the mean. Your line `{rebind}` "
+                    "rebinds the local name to a NEW tensor: the caller's tensor keeps what it held "
+                    "before that line. Write into the tensor instead: `tensor /= n`, "
+                    "`tensor.div_(n)` or `tensor.copy_(result)`.")
             ok = sorted(set(range(world)) - {b["rank"] for b in bad})
             if ok:
                 raise CheckFailed(
@@ -271,6 +328,19 @@ def check_all_reduce_mean(all_reduce_mean: Callable[[torch.Tensor], Any], *,
 # 03.b ring all-reduce from send/recv
 # --------------------------------------------------------------------------------------------
 
+# What learners get wrong, and the message each one gets (tests/test_ch03_collectives.py holds
+# an answer written with each misconception):
+# - "the reduce-scatter is the all-reduce": all-gather phase missing -> "all-gather phase is missing";
+# - "received pieces are always added": adding in the all-gather -> "full sum PLUS a partial sum";
+# - "received pieces are always copied": recv straight into the piece in the reduce-scatter ->
+#   "holds ONE rank's input ... overwrites";
+# - "the sizes divide by N" (view(N, -1)) -> "assuming the size divides";
+# - "send then recv is fine": every rank blocks in dist.send -> "every rank is blocked in dist.send";
+# - "any exchange is a ring": every rank sends to every rank -> "sends to ranks ... not a ring";
+#   sending whole tensors -> "sent ... bytes ... is not a ring all-reduce"; at N = 2 one swap of the
+#   whole tensor has the ring's byte count, so the size of each message is checked too -> "one piece";
+# - "return the result" -> "You returned the sum".
+
 # Sizes that divide by 2, 3 and 4 and sizes that do not; 3 elements on 4 ranks leaves a piece empty.
 _RING_CASES = [((12,), "float32"), ((7,), "float32"), ((5, 3), "float64"), ((1001,), "int64"),
                ((3,), "float32"), ((4096,), "float32")]
@@ -284,6 +354,7 @@ def _explain_piece(k: int, got: torch.Tensor, exp: torch.Tensor, rows: list[dict
                    world: int) -> str:
     """Name what a wrong piece holds: a partial sum of some ranks' inputs, or the full sum plus one.
 
+    "single": one rank's input (a received piece overwrote the rank's own copy);
     "partial": the sum over a proper subset of the ranks' inputs (a reduce-scatter in progress);
     "added": the full sum plus such a partial sum (received complete pieces were added, not copied).
     """
@@ -292,7 +363,7 @@ def _explain_piece(k: int, got: torch.Tensor, exp: torch.Tensor, rows: list[dict
         subset = [inputs[r] for r in range(world) if mask >> r & 1]
         part = torch.stack(subset).sum(0) if len(subset) > 1 else subset[0]
         if mask != 2 ** world - 1 and _close(got, part):
-            return "partial"
+            return "single" if len(subset) == 1 else "partial"
         if _close(got, exp + part):
             return "added"
     return "other"
@@ -331,12 +402,19 @@ def check_ring_all_reduce(ring_all_reduce: Callable[[torch.Tensor], Any], *,
                 nonempty = [k for k, b in enumerate(pe) if b.numel()]
                 kinds = {_explain_piece(k, pg[k], pe[k], rows, world)
                          for k in nonempty if k not in good}
-                if len(nonempty) > 1 and len(good) == 1 and kinds == {"partial"}:
+                if len(nonempty) > 1 and len(good) == 1 and kinds <= {"partial", "single"}:
                     raise CheckFailed(
                         f"on {where}: only piece {good[0]} of {world} holds the full sum, the others "
                         "hold partial sums: that is the state after the reduce-scatter phase. The "
                         "all-gather phase is missing: N-1 more steps in which each rank passes on "
                         "the last fully reduced piece it holds, and the receiver copies it.")
+                if not good and kinds == {"single"}:
+                    raise CheckFailed(
+                        f"on {where}: every piece holds ONE rank's input, not a sum "
+                        f"({_first_diff(got, exp)}): the reduce-scatter phase overwrites what it "
+                        "receives (recv straight into the piece, or copy_). In that phase the "
+                        "received piece is a partial sum that must be ADDED to this rank's own copy: "
+                        "recv into a buffer, then add_. Only the all-gather phase copies.")
                 if "added" in kinds:
                     raise CheckFailed(
                         f"on {where}: some pieces hold the full sum PLUS a partial sum "
@@ -350,24 +428,50 @@ def check_ring_all_reduce(ring_all_reduce: Callable[[torch.Tensor], Any], *,
                 raise CheckFailed(
                     f"on {where}: {_first_diff(got, exp)}; pieces with the right sum: "
                     f"{good or 'none'} of {list(range(world))}. Usual mistake: off-by-one piece "
-                    "indices (at step s rank r sends piece (r - s) % N and receives piece "
-                    f"(r - s - 1) % N in the reduce-scatter phase), or pieces cut differently "
-                    f"on different ranks.{hint}")
+                    "indices, or pieces cut differently on different ranks. Check your formulas "
+                    "on paper for N = 3: the piece a rank receives at step s must be the piece its "
+                    "left neighbour sends at step s; after the reduce-scatter the piece a rank "
+                    "received last must have passed through every rank; in the all-gather a rank "
+                    f"first sends the piece it completed.{hint}")
             for row in rows:
-                numel, elsize = row["got"].numel(), row["got"].element_size()
-                if world > 1 and numel and row["sends"] == 0:
-                    raise CheckFailed(
-                        f"rank {row['rank']} of {world} sent nothing with dist.send/isend, yet "
-                        "its tensor holds the sum: build the ring from point-to-point messages.")
-                bound = 2 * (world - 1) * math.ceil(numel / world) * elsize
-                if row["sent_bytes"] > bound:
-                    ring = 2 * (world - 1) / world * numel * elsize
-                    raise CheckFailed(
-                        f"rank {row['rank']} of {world} sent {row['sent_bytes']} bytes for a tensor "
-                        f"of {numel * elsize} bytes; a ring all-reduce sends 2(N-1)/N x size = "
-                        f"{ring:.0f} bytes per rank. The result is right, but sending whole "
-                        "tensors (to every rank, or around the ring N-1 times) is not a ring "
-                        "all-reduce: send one piece (1/N of the tensor) per step.")
+                _check_ring_traffic(row, world)
     print(f"ring_all_reduce matches dist.all_reduce on world sizes {list(worlds)} for "
           f"{len(_RING_CASES)} shapes/dtypes (sizes not divisible by the world size included), "
-          "sending 2(N-1)/N x size per rank")
+          "sending 2(N-1)/N x size per rank, one piece per message, to ring neighbours only")
+
+
+def _check_ring_traffic(row: dict, world: int) -> None:
+    """What one rank sent: at most 2(N-1)/N x size in all, one piece per message, to one neighbour."""
+    rank = row["rank"]
+    numel, elsize = row["got"].numel(), row["got"].element_size()
+    if world > 1 and numel and row["sends"] == 0:
+        raise CheckFailed(
+            f"rank {rank} of {world} sent nothing with dist.send/isend, yet "
+            "its tensor holds the sum: build the ring from point-to-point messages.")
+    piece = math.ceil(numel / world) * elsize
+    if row["sent_bytes"] > 2 * (world - 1) * piece:
+        ring = 2 * (world - 1) / world * numel * elsize
+        raise CheckFailed(
+            f"rank {rank} of {world} sent {row['sent_bytes']} bytes for a tensor "
+            f"of {numel * elsize} bytes; a ring all-reduce sends 2(N-1)/N x size = "
+            f"{ring:.0f} bytes per rank. The result is right, but sending whole "
+            "tensors (to every rank, or around the ring N-1 times) is not a ring "
+            "all-reduce: send one piece (1/N of the tensor) per step.")
+    if row["largest_send"] > piece:
+        raise CheckFailed(
+            f"rank {rank} of {world} sent a message of {row['largest_send']} bytes for a tensor of "
+            f"{numel * elsize} bytes, more than one piece ({piece} bytes at most). The result is "
+            "right, but a ring sends one piece (1/N of the tensor) per message: swapping whole "
+            "tensors only happens to send as many bytes when N = 2, and sends N/2 times more with "
+            "more ranks (and takes no advantage of every link working at once).")
+    right, left = (rank + 1) % world, (rank - 1) % world
+    sends, recvs = set(row["send_peers"]), set(row["recv_peers"]) - {None}
+    ring = (sends <= {right} and recvs <= {left}) or (sends <= {left} and recvs <= {right})
+    if world > 1 and not ring:
+        raise CheckFailed(
+            f"rank {rank} of {world} sent to rank(s) {sorted(sends)} and received from rank(s) "
+            f"{sorted(recvs)}. The result is right, but that is not a ring: in a ring every rank "
+            f"talks to its two neighbours only, sending to its right neighbour (rank + 1) % N "
+            f"= {right} and receiving from its left neighbour (rank - 1) % N = {left} (or all "
+            "ranks the other way round). Exchanging with every rank needs a link to every rank; "
+            "the ring needs only N links, each busy at every step.")
