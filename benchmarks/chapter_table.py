@@ -1,0 +1,65 @@
+"""Print the Markdown table of time per chapter that INSTRUCTORS.md embeds, from chapter_times.json.
+
+    python benchmarks/chapter_table.py [--json benchmarks/results/chapter_times.json]
+
+Machine times are measured (``benchmarks/chapter_times.py``); reading times are an estimate from
+the notebooks' length: Markdown words at 200 words a minute plus code at 20 lines a minute,
+rounded up to 5 minutes.  ``tests/test_instructors.py`` checks that INSTRUCTORS.md holds exactly
+this table, so after re-running the measurement, paste the new table in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+DEFAULT = Path(__file__).resolve().parent / "results" / "chapter_times.json"
+WORDS_PER_MIN, CODE_LINES_PER_MIN = 200, 20
+
+
+def reading_minutes(nb: dict) -> int:
+    minutes = nb["markdown_words"] / WORDS_PER_MIN + nb["code_lines"] / CODE_LINES_PER_MIN
+    return max(5, 5 * math.ceil(minutes / 5))
+
+
+def _run(nb: dict | None) -> str:
+    if nb is None:
+        return "—"
+    return f"{nb['wall_s']:.0f} s" + ("" if nb["ok"] else " (failed)")
+
+
+def table(data: dict) -> str:
+    nbs = data["notebooks"]
+    chapters = sorted({Path(k).stem for k in nbs})
+    m = data["measured"]
+    lines = [f"Measured {m['started_utc']} to {m.get('ended_utc', '?')} on {data['machine']['logical_cpus']} "
+             f"CPUs ({data['machine']['cpu_model']}), {data['machine']['memory_gib']} GiB, torch "
+             f"{data['machine']['torch']}; load average {m['load_average_before'][0]} before, "
+             f"{m.get('load_average_after', ['?'])[0]} after. {m['note']}".rstrip(),
+             "",
+             "| chapter | lesson: run all (machine) | lesson: reading (estimate) | exercises | "
+             "solutions: run all (machine) | peak cores | peak memory (PSS) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for ch in chapters:
+        les, sol = nbs.get(f"notebooks/{ch}.ipynb"), nbs.get(f"solutions/{ch}.ipynb")
+        runs = [x for x in (les, sol) if x]
+        reading = f"~{reading_minutes(les)} min" if les else "—"
+        lines.append(f"| {ch} | {_run(les)} | {reading} | {sol['exercises'] if sol else 0} | {_run(sol)} | "
+                     f"{max(x['peak_cores'] for x in runs):.1f} | "
+                     f"{max(x['peak_pss_mib'] for x in runs)} MiB |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, default=DEFAULT)
+    a = ap.parse_args(argv)
+    print(table(json.loads(a.json.read_text(encoding="utf-8"))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
