@@ -9,16 +9,28 @@ TORCH_SPEC ?= torch==2.13.0
 JOBS ?= 2
 # Jupyter refuses to run as root (containers, cloud VMs) unless told that it is intended.
 LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
+# Offline install (INSTRUCTORS.md): `make wheelhouse` downloads every package into WHEELHOUSE;
+# `make lab WHEELS=<folder>` (or `make test WHEELS=...`) installs from that folder only, no index.
+WHEELHOUSE ?= wheels
+WHEELS ?=
+PIP_OFFLINE := $(if $(WHEELS),PIP_NO_INDEX=1 PIP_FIND_LINKS="$(abspath $(WHEELS))",)
 
-.PHONY: lab test lint exercises notebooks doctor bench clean
+.PHONY: lab test wheelhouse lint exercises notebooks doctor bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(PIP_OFFLINE) $(BIN)/pip install --quiet --upgrade pip
+	$(PIP_OFFLINE) $(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(PIP_OFFLINE) $(BIN)/pip install --quiet -e ".[test]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
+
+# Every package `make lab` and `make test` install, for one platform and Python (this machine's),
+# plus pip and setuptools (the editable install builds with setuptools).
+wheelhouse: $(BIN)/.installed
+	mkdir -p "$(WHEELHOUSE)"
+	$(BIN)/pip download --quiet --dest "$(WHEELHOUSE)" pip setuptools "$(TORCH_SPEC)" ".[test]"
+	du -sh "$(WHEELHOUSE)"
 
 lab: $(BIN)/.installed
 	$(BIN)/jupyter lab $(LAB_FLAGS) --notebook-dir=. notebooks/00_setup.ipynb
