@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -113,8 +114,82 @@ def dp_step_no_backward(model, x, y, n_devices):
     return out, F.cross_entropy(out, y)
 
 
-def test_accepts_the_right_step(capsys):
-    check_dp_step(dp_step_right)
+def dp_step_thread_pool(model, x, y, n_devices):
+    """A pool with one worker per replica; map keeps the chunk order."""
+    chunks = x.chunk(n_devices)
+    replicas = _replicas(model, len(chunks))
+    with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
+        outputs = list(pool.map(lambda rc: rc[0](rc[1]), zip(replicas, chunks)))
+    out = torch.cat(outputs)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return out, loss
+
+
+def dp_step_reduce_add_by_hand(model, x, y, n_devices):
+    """Plain deepcopy replicas, whose gradients are then summed into the model by hand."""
+    chunks = x.chunk(n_devices)
+    replicas = [copy.deepcopy(model) for _ in chunks]
+    out = torch.cat(_in_threads(replicas, chunks))
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    for name, p in model.named_parameters():
+        p.grad = sum(dict(r.named_parameters())[name].grad for r in replicas)
+    return out, loss
+
+
+def dp_step_one_worker_thread(model, x, y, n_devices):
+    chunks = x.chunk(n_devices)
+    replicas = _replicas(model, len(chunks))
+    outputs = []
+    worker = threading.Thread(target=lambda: outputs.extend(r(c) for r, c in zip(replicas, chunks)))
+    worker.start()
+    worker.join()
+    out = torch.cat(outputs)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return out, loss
+
+
+def dp_step_small_pool(model, x, y, n_devices):
+    chunks = x.chunk(n_devices)
+    replicas = _replicas(model, len(chunks))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outputs = list(pool.map(lambda rc: rc[0](rc[1]), zip(replicas, chunks)))
+    out = torch.cat(outputs)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return out, loss
+
+
+def dp_step_join_each(model, x, y, n_devices):
+    chunks = x.chunk(n_devices)
+    replicas = _replicas(model, len(chunks))
+    outputs = [None] * len(chunks)
+
+    def run(i):
+        outputs[i] = replicas[i](chunks[i])
+
+    for i in range(len(chunks)):
+        t = threading.Thread(target=run, args=(i,))
+        t.start()
+        t.join()  # waits for this replica before the next one starts
+    out = torch.cat(outputs)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return out, loss
+
+
+def dp_step_with_optimizer_step(model, x, y, n_devices):
+    out, loss = dp_step_right(model, x, y, n_devices)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return out, loss
+
+
+@pytest.mark.parametrize("right", [dp_step_right, dp_step_thread_pool, dp_step_reduce_add_by_hand],
+                         ids=lambda f: f.__name__)
+def test_accepts_several_right_steps(right, capsys):
+    check_dp_step(right)
     assert "[PASS] 02.a data parallel step" in capsys.readouterr().out
 
 
@@ -127,6 +202,11 @@ def test_accepts_the_right_step(capsys):
     (dp_step_gather_as_finished, r"right rows in the wrong order"),
     (dp_step_tensor_split, r"cuts the batch like torch\.chunk"),
     (dp_step_no_replicas, r"the original `model` ran on a chunk"),
+    (dp_step_one_worker_thread, r"ran in 1 thread\(s\).*one thread per replica, not one thread running "
+                                r"them all"),
+    (dp_step_small_pool, r"ran in 2 thread\(s\).*one thread per replica"),
+    (dp_step_join_each, r"did not run at the same time.*start, join, start, join"),
+    (dp_step_with_optimizer_step, r"changed the parameters"),
 ], ids=lambda v: getattr(v, "__name__", "msg"))
 def test_rejects_typical_mistakes(wrong, message):
     with pytest.raises(CheckFailed, match=message):

@@ -4,20 +4,37 @@
 sizes and device counts (some that do not split evenly) and compares the outputs, the loss and the
 gradients left in ``model``'s parameters with one plain single-process step on the whole batch.
 It also watches *how* the step ran: into how many pieces the batch was cut, on which module objects
-and in which threads the forward passes ran.
+and in which threads the forward passes ran, and whether the replicas were running at the same time
+(each replica's forward waits, for a bounded time, until every replica has started its own).
+
+What learners get wrong, and the message each one gets (tests/test_ch02_dp_step.py holds an answer
+written with each misconception):
+- "any even-ish split will do" (tensor_split, a hand-made split) -> "cuts the batch like torch.chunk";
+- "the threads can share the model" (no replicas) -> "the original `model` ran on a chunk";
+- "copy.deepcopy(model) is a replica" (parameters become new leaves) -> "detached copies";
+- "a loop is parallel enough" (replicas run in the calling thread) -> "ran in the calling thread";
+- "one worker thread is a parallel_apply" (one thread runs every replica) -> "one thread per replica";
+- "start, join, start, join" (each thread joined before the next starts) -> "did not run at the
+  same time ... start them all, then join them all";
+- "outputs come back as threads finish" (append in completion order) -> "wrong order";
+- "each replica has its loss" (sum, or mean of the per-replica means) -> "SUM of the ... replicas'
+  mean losses" / "average of the per-replica mean losses";
+- "dp_step is a training step" (optimizer.step inside) -> "changed the parameters";
+- "the loss is computed, so gradients exist" (no backward) -> "backward() was not called".
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..checking import CheckFailed, checker, compare_tensors, require_callable
+from ..checking import CheckFailed, checker, close, compare_tensors, require_callable
 from ..data import make_dataset, make_model
 
 __all__ = ["check_dp_step"]
@@ -27,6 +44,11 @@ __all__ = ["check_dp_step"]
 _CASES = [(8, 2), (12, 3), (6, 1), (10, 4), (5, 4)]
 
 _USAGE = "dp_step(model, x, y, n_devices) returning (outputs, loss)"
+
+# How long a replica's forward waits for the other replicas to start theirs.  Replicas in their own
+# started threads all arrive within milliseconds; replicas run one after another never do, and the
+# wait then costs this once per case.
+_TOGETHER_S = 2.0
 
 
 def _reference(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
@@ -73,15 +95,27 @@ def check_dp_step(dp_step: Callable[..., Any]) -> None:
         where = f"a batch of {batch} on {n_devices} device(s)"
         uneven = len({c.shape[0] for c in chunks}) > 1
 
-        calls: list[tuple[int, int, int]] = []  # (thread id, module id, rows)
+        # (thread, module id, rows).  The Thread objects stay referenced, so two threads that ran
+        # one after the other are told apart even when the system reuses the first one's ident.
+        calls: list[tuple[threading.Thread, int, int]] = []
+        together: list[bool] = []  # per forward: did every replica reach its forward at once?
         lock = threading.Lock()
+        barrier = threading.Barrier(n_chunks) if n_chunks > 1 else None
 
-        # Copied into every replica made with copy.deepcopy / copy.copy; the defaults bind this
-        # case's list and lock.
-        def seen(module, args, calls=calls, lock=lock):
+        # Copied into every replica made with copy.deepcopy / copy.copy (functions are copied by
+        # reference); the defaults bind this case's lists, lock and barrier.
+        def seen(module, args, calls=calls, together=together, lock=lock, barrier=barrier):
             rows = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else -1
             with lock:
-                calls.append((threading.get_ident(), id(module), rows))
+                calls.append((threading.current_thread(), id(module), rows))
+            if barrier is not None:
+                try:
+                    barrier.wait(timeout=_TOGETHER_S)
+                    met = True
+                except threading.BrokenBarrierError:
+                    met = False
+                with lock:
+                    together.append(met)
 
         handle = model.register_forward_pre_hook(seen)
         try:
@@ -147,15 +181,29 @@ def check_dp_step(dp_step: Callable[..., Any]) -> None:
                 raise CheckFailed(
                     f"for {where} {n_chunks} chunks ran on {len(modules)} distinct replica(s): "
                     "make one replica per chunk.")
-            threads = {t for t, _, _ in calls}
-            if threads == {threading.get_ident()}:
+            per_thread = Counter(t for t, _, _ in calls)
+            if set(per_thread) == {threading.current_thread()}:
                 raise CheckFailed(
                     "every replica ran in the calling thread, one after another: DataParallel's "
                     "parallel_apply runs each replica in its own thread (threading.Thread, start "
                     "them all, then join them all).")
+            if len(per_thread) < n_chunks:
+                busiest = max(per_thread.values())
+                raise CheckFailed(
+                    f"for {where} the {n_chunks} replicas ran in {len(per_thread)} thread(s), one of "
+                    f"them running {busiest} replicas one after another: one thread per replica, not "
+                    "one thread running them all. A single worker thread that loops over the "
+                    "replicas is as sequential as a plain loop; parallel_apply starts a thread for "
+                    "every replica (a pool needs at least as many workers as replicas).")
+            if not all(together):
+                raise CheckFailed(
+                    f"for {where} each replica had its own thread, but the replicas did not run at "
+                    "the same time: a thread was joined before the next one was started (start, "
+                    "join, start, join runs them one after another). Start every thread first, "
+                    "then join them all.")
 
         # Values.
-        if not torch.allclose(out.detach(), out_ref, atol=1e-5, rtol=1e-5):
+        if not close(out, out_ref, atol=1e-5, rtol=1e-5):
             if _is_row_permutation(out.detach(), out_ref):
                 raise CheckFailed(
                     f"outputs for {where} hold the right rows in the wrong order: gather must "
@@ -166,7 +214,7 @@ def check_dp_step(dp_step: Callable[..., Any]) -> None:
                 f"outputs for {where} differ from model(x) by up to {d:.3g}. Usual mistake: a "
                 "replica whose parameters are not the model's (a fresh model, or a copy made "
                 "before the parameters were set).")
-        if not torch.allclose(loss.detach(), loss_ref, atol=1e-6, rtol=1e-5):
+        if not close(loss, loss_ref, atol=1e-6, rtol=1e-5):
             got, exp = loss.item(), loss_ref.item()
             per_chunk = [F.cross_entropy(o, t).item()
                          for o, t in zip(out_ref.chunk(n_devices), y.chunk(n_devices))]
