@@ -259,7 +259,7 @@ def verdict(fn) -> str:
                                     r"inside the micro-batch loop"),
     (acc_steps_every_micro_batch, r"(?s)optimizer\.step\(\) ran 4 time\(s\).*stepping inside the "
                                   r"micro-batch loop"),
-    (acc_never_zeroes, r"(?s)optimizer step 2.*previous step's gradients.*zero_grad"),
+    (acc_never_zeroes, r"(?s)optimizer step 2.*previous step's gradients: nothing zeroed them.*zero_grad"),
     (acc_all_reduces_by_hand_as_well, r"(?s)called dist\.all_reduce 6 time\(s\) on top of"),
     (acc_returns_the_sum, r"(?s)returned loss .* that is 4 times the mean"),
     (acc_returns_nothing, r"(?s)expected the mean loss .* got NoneType \(a missing `return`\?\)"),

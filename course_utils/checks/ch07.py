@@ -265,8 +265,9 @@ def _why_gradients_differ(s: int, ref: list[dict], got: dict) -> str:
     if s > 0:
         candidates.append((
             {n: r["grad"][n] + sum(ref[q]["grad"][n] for q in range(s)) for n in r["grad"]},
-            "they still contain the previous step's gradients. Usual mistake: no "
-            "optimizer.zero_grad() (after the step, or before the first micro-batch)."))
+            "they still contain the previous step's gradients: nothing zeroed them. Call "
+            "optimizer.zero_grad() once per optimizer step (after the step, or before the first "
+            "micro-batch)."))
     for want, why in candidates:
         if close(want, got, atol=ATOL):
             return why
