@@ -329,6 +329,9 @@ def check_bucketed_ddp(DDPBucketed: Any, *, timeout: float = 120.0) -> None:
                     "parameter whose gradient is not ready yet (None), or handles kept from an "
                     "earlier step."))
     first_problem(outcomes)
+    for o in outcomes:  # every rank's start first: a rank that skipped the broadcast is the cause
+        for case in o.data["cases"]:
+            _judge_construction(o.rank, case)
     for o in outcomes:
         for case in o.data["cases"]:
             _judge_bucketed(o.rank, case)
@@ -336,7 +339,7 @@ def check_bucketed_ddp(DDPBucketed: Any, *, timeout: float = 120.0) -> None:
           "with one all-reduce per bucket, started during backward once the bucket is complete")
 
 
-def _judge_bucketed(rank: int, case: dict) -> None:
+def _judge_construction(rank: int, case: dict) -> None:
     where = f"{case['name']}, rank {rank}"
     if not _ok(case["construct"]):
         bad = [n for n, d, _ in case["construct"] if d > ATOL]
@@ -344,6 +347,10 @@ def _judge_bucketed(rank: int, case: dict) -> None:
                           f"rank 0's:\n{format_table(case['construct'], ATOL)}\nUsual mistake: no "
                           "broadcast of rank 0's parameters and buffers in __init__ "
                           "(dist.broadcast(t, src=0) for each).")
+
+
+def _judge_bucketed(rank: int, case: dict) -> None:
+    where = f"{case['name']}, rank {rank}"
     calls0 = None
     for s, step in enumerate(case["steps"]):
         reduces = [e for e in step["events"] if e["kind"] == "all_reduce"]
