@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from course_utils import CheckFailed
-from course_utils.checks import check_evaluate, check_train_step
+from course_utils.checks import check_evaluate, check_shard_gradients, check_train_step
 
 
 def good_step(model, opt, x, y):
@@ -137,3 +137,91 @@ def test_evaluate_accepts_the_reference(capsys):
 def test_evaluate_rejects_usual_mistakes(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         check_evaluate(wrong)
+
+
+# --------------------------------------------------------------------------------------------
+# 01.c gradient from shards
+# --------------------------------------------------------------------------------------------
+
+
+def shards_weighted_backward(model, x, y, n_shards):
+    """Each shard's backward adds rows_k / batch x its gradient into .grad, zeroed first."""
+    model.zero_grad()
+    for xs, ys in zip(x.tensor_split(n_shards), y.tensor_split(n_shards)):
+        (nn.functional.cross_entropy(model(xs), ys) * len(xs) / len(x)).backward()
+
+
+def shards_autograd_grad(model, x, y, n_shards):
+    """One gradient per shard (as each rank would hold), then their weighted sum into .grad."""
+    params = list(model.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    for xs, ys in zip(x.tensor_split(n_shards), y.tensor_split(n_shards)):
+        grads = torch.autograd.grad(nn.functional.cross_entropy(model(xs), ys), params)
+        for t, g in zip(total, grads):
+            t += g * len(xs) / len(x)
+    for p, t in zip(params, total):
+        p.grad = t
+
+
+def shards_summed_losses_one_backward(model, x, y, n_shards):
+    """Per-shard forwards, per-sample sums, one backward: the same gradient."""
+    model.zero_grad()
+    loss = sum(nn.functional.cross_entropy(model(xs), ys, reduction="sum")
+               for xs, ys in zip(x.tensor_split(n_shards), y.tensor_split(n_shards)))
+    (loss / len(x)).backward()
+
+
+def shards_mean_of_means(model, x, y, n_shards):
+    model.zero_grad()
+    for xs, ys in zip(x.tensor_split(n_shards), y.tensor_split(n_shards)):
+        (nn.functional.cross_entropy(model(xs), ys) / n_shards).backward()
+
+
+def shards_summed(model, x, y, n_shards):
+    model.zero_grad()
+    for xs, ys in zip(x.tensor_split(n_shards), y.tensor_split(n_shards)):
+        nn.functional.cross_entropy(model(xs), ys).backward()
+
+
+def shards_no_zero(model, x, y, n_shards):
+    for xs, ys in zip(x.tensor_split(n_shards), y.tensor_split(n_shards)):
+        (nn.functional.cross_entropy(model(xs), ys) * len(xs) / len(x)).backward()
+
+
+def shards_chunk(model, x, y, n_shards):
+    model.zero_grad()
+    for xs, ys in zip(x.chunk(n_shards), y.chunk(n_shards)):
+        (nn.functional.cross_entropy(model(xs), ys) * len(xs) / len(x)).backward()
+
+
+def shards_whole_batch(model, x, y, n_shards):
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def shards_with_step(model, x, y, n_shards):
+    shards_weighted_backward(model, x, y, n_shards)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+@pytest.mark.parametrize("right", [shards_weighted_backward, shards_autograd_grad,
+                                   shards_summed_losses_one_backward], ids=lambda f: f.__name__)
+def test_shards_accept_several_right_answers(right, capsys):
+    check_shard_gradients(right)
+    assert "[PASS] 01.c gradient from shards" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (shards_mean_of_means, r"batch of 10 on 4 shard\(s\) \(shards of \[3, 3, 2, 2\] rows\) you averaged.*"
+                           r"weighs every shard equally.*rows_k / batch"),
+    (shards_summed, r"batch of 12 on 3 shard\(s\).*SUM of the shards' gradients, 3x too large"),
+    (shards_no_zero, r"added to the gradients already in \.grad"),
+    (shards_chunk, r"batch of 5 on 4 shard\(s\) the model ran on 3 shard\(s\) of sizes \[2, 2, 1\].*"
+                   r"torch\.tensor_split gives exactly n"),
+    (shards_whole_batch, r"ran once, on the whole batch.*each shard separately"),
+    (shards_with_step, r"the parameters changed"),
+    (None, "got None"),
+], ids=lambda v: getattr(v, "__name__", "msg"))
+def test_shards_reject_usual_mistakes(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        check_shard_gradients(wrong)
