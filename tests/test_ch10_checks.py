@@ -208,9 +208,8 @@ def sharded(*, shard=True, sync=True, from_owner=True, override_add=True, reread
                 o.step()
             if sync:
                 with torch.no_grad():
-                    for g in self.param_groups:
-                        for p in g["params"]:
-                            dist.broadcast(p, src=self.owners[p] if from_owner else 0)
+                    for p, owner in self.owners.items():
+                        dist.broadcast(p, src=owner if from_owner else 0)
 
     return Sharded
 
