@@ -1,26 +1,79 @@
-"""Checkers of chapter 08: an AMP training step with GradScaler and gradient clipping under DDP."""
+"""Checkers of chapter 08: an AMP training step with GradScaler and gradient clipping under DDP.
+
+08.a ``check_amp_step(fn)`` runs ``fn(model, optimizer, scaler, x, y, *, max_norm, amp_dtype)`` on
+2 DDP ranks, 3 steps with float16 and 3 with bfloat16 (SGD with momentum).  At the second step
+rank 1's input holds an inf: the step must be skipped on both ranks and the scale halved once.
+Besides parameters, momentum buffers and the scale (compared with the same step written with
+torch's own calls), the checker records what the step did, in order: which autocast was entered
+(device, dtype, and the deprecated ``torch.cuda.amp`` API), ``scaler.scale``, ``unscale_``,
+``clip_grad_norm_``, ``scaler.step`` / ``optimizer.step``, ``scaler.update``, and whether this
+rank's backward reached DDP's all-reduce.
+
+Misconceptions it recognises (tests/test_ch08_amp.py, test name in brackets):
+
+- "clip first, then unscale" -> the norm of scaled gradients is clipped [amp_clips_before_unscaling];
+- "GradScaler replaces clipping" -> no clipping [amp_never_clips];
+- "optimizer.step() is still the step" -> the NaN step is applied [amp_steps_the_optimizer_itself],
+  or scaled gradients are applied [amp_steps_on_scaled_gradients];
+- "autocast is all AMP needs" -> no scaling at all [amp_without_the_scaler];
+- "update() only matters after an overflow" -> RuntimeError at the next step [amp_never_updates];
+- the source article's manual back-off ``scaler.update(0.5 * scale)`` -> halved twice
+  [amp_manual_backoff];
+- "skip the step on the rank whose loss is not finite" -> that rank leaves DDP's all-reduce and the
+  other waits: named within ``finish_within`` seconds, with the step [test_local_skip_is_named_fast];
+- "skip NaN steps by hand" and return before ``scaler.update()`` -> the scale never backs off
+  [amp_skips_nan_steps_by_hand];
+- the forward outside autocast [amp_forward_without_autocast], autocast for ``"cuda"`` on a CPU
+  tensor [amp_autocast_for_cuda_on_cpu], float16 hard-coded [amp_hardcodes_float16];
+- the deprecated ``torch.cuda.amp.autocast`` / ``GradScaler`` of the source article
+  [amp_uses_torch_cuda_amp];
+- no ``zero_grad`` [amp_never_zeroes]; the scaled loss returned [amp_returns_the_scaled_loss].
+
+Correct answers written differently pass: ``torch.amp.autocast(device_type=...)``, gradients zeroed
+before the forward, clipping with ``get_total_norm`` + ``clip_grads_with_norm_``, a 0-dim loss tensor
+returned.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import inspect
 import math
 import traceback
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from ..checking import CheckFailed, checker, diff_table, format_table, require_callable
+from ..checking import (
+    CheckFailed,
+    Outcome,
+    checker,
+    close,
+    compare_tensors,
+    first_problem,
+    learner_frames,
+    require_callable,
+    run_workers,
+    state_to_cpu,
+    wrap_ddp,
+)
+from ..data import make_dataset, make_model
+from ..devices import backend_and_device
+from ..monitor import report
 
-__all__ = ["check_amp_step"]
+__all__ = ["check_amp_step", "amp_verdicts", "deprecated_amp_calls"]
 
 WORLD, BATCH, STEPS = 2, 16, 3
 OVERFLOW_STEP, OVERFLOW_RANK = 1, 1  # rank 1 gets an inf in its input at the second step
-INIT_SCALE, MAX_NORM, LR = 2.0**12, 0.05, 0.2
+INIT_SCALE, MAX_NORM, LR, MOMENTUM = 2.0**12, 0.05, 0.2, 0.9
+DTYPES = ("float16", "bfloat16")
 ATOL = 1e-5
 
 
 def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..data import make_dataset
-
     X, Y = make_dataset(STEPS * WORLD * BATCH, seed=11).tensors
     start = (step * WORLD + rank) * BATCH
     x, y = X[start:start + BATCH].clone(), Y[start:start + BATCH]
@@ -29,213 +82,371 @@ def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def _amp_step(model, optimizer, scaler, x, y, *, max_norm, amp_dtype, mistake=None):
-    """The reference step; ``mistake`` reproduces a usual error, to recognise it."""
+def _reference_step(model, optimizer, scaler, x, y, *, max_norm, amp_dtype):
+    """The step written with torch's own calls."""
     with torch.autocast(x.device.type, dtype=amp_dtype):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x), y)
     scaler.scale(loss).backward()
-    if mistake != "clip_before_unscale" and mistake != "no_unscale":
-        scaler.unscale_(optimizer)
-    if mistake != "no_clip" and mistake != "no_unscale":
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if mistake == "no_unscale":
-        optimizer.step()  # (scaler.update() would now raise: no inf check was recorded)
-    else:
-        scaler.step(optimizer)
-        scaler.update()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
 
 
-def _params(model) -> dict:
-    return {n: p.detach().cpu().clone() for n, p in model.module.named_parameters()}
+@contextlib.contextmanager
+def deprecated_amp_calls(log: list[str]):
+    """Record, in ``log``, each use of the deprecated ``torch.cuda.amp.autocast`` / ``GradScaler``.
+
+    The calls still run (they are torch's own classes); only their use is noted, on CPU as on GPU.
+    """
+    saved = {n: getattr(torch.cuda.amp, n) for n in ("autocast", "GradScaler")}
+
+    def recording(name: str, cls: type) -> Any:
+        def make(*args: Any, **kwargs: Any) -> Any:
+            log.append(f"torch.cuda.amp.{name}")
+            return cls(*args, **kwargs)
+        return make
+
+    for n, cls in saved.items():
+        setattr(torch.cuda.amp, n, recording(n, cls))
+    try:
+        yield log
+    finally:
+        for n, cls in saved.items():
+            setattr(torch.cuda.amp, n, cls)
 
 
-def _amp_worker(fn, amp_dtype_name: str) -> dict:
-    """Runs on every rank: the learner's step and the reference, side by side, on DDP models."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+class _Recorder:
+    """The learner's step as a list of events, per call: ('autocast', device, dtype), 'scale',
+    'unscale_', 'clip', 'scaler.step', 'optimizer.step', 'update', 'zero_grad', 'allreduce'."""
 
-    from ..data import make_model
-    from ..devices import backend_and_device
+    def __init__(self, model, opt, scaler):
+        self.events: list[Any] = []
+        self.deprecated: list[str] = []
+        self.in_scaler_step = False
+        self.model, self.opt, self.scaler = model, opt, scaler
+        self.saved: list[tuple[Any, str, Any]] = []
+        model.register_comm_hook(None, self._hook)
+        ev = self.events
 
-    backend, device = backend_and_device(announce=False)
+        def wrap(owner: Any, name: str, tag: Any, *, guard: bool = False) -> None:
+            real = getattr(owner, name)
+
+            def f(*args: Any, **kwargs: Any) -> Any:
+                if guard and self.in_scaler_step:
+                    return real(*args, **kwargs)
+                ev.append(tag)
+                if tag == "scaler.step":
+                    self.in_scaler_step = True
+                    try:
+                        return real(*args, **kwargs)
+                    finally:
+                        self.in_scaler_step = False
+                return real(*args, **kwargs)
+
+            self.saved.append((owner, name, real))
+            setattr(owner, name, f)
+
+        wrap(scaler, "scale", "scale")
+        wrap(scaler, "unscale_", "unscale_")
+        wrap(scaler, "step", "scaler.step")
+        wrap(scaler, "update", "update")
+        wrap(opt, "step", "optimizer.step", guard=True)
+        wrap(opt, "zero_grad", "zero_grad")
+        wrap(model, "zero_grad", "zero_grad")
+        wrap(torch.nn.utils, "clip_grad_norm_", "clip")
+        wrap(torch.nn.utils.clip_grad, "clip_grad_norm_", "clip")
+        wrap(torch.nn.utils, "clip_grads_with_norm_", "clip")
+        real_autocast = torch.autocast
+
+        class autocast(real_autocast):  # records the device and dtype it is entered with
+            def __enter__(inner):
+                ev.append(("autocast", inner.device, str(inner.fast_dtype).replace("torch.", "")))
+                return super().__enter__()
+
+        for owner in (torch, torch.amp):
+            self.saved.append((owner, "autocast", owner.autocast))
+            owner.autocast = autocast
+        self._deprecated = deprecated_amp_calls(self.deprecated)
+        self._deprecated.__enter__()
+
+    def _hook(self, state, bucket):  # no annotations: DDP would compare them as strings here
+        self.events.append("allreduce")
+        buf = bucket.buffer().div_(dist.get_world_size())
+        return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    def restore(self) -> None:
+        self._deprecated.__exit__(None, None, None)
+        for owner, name, real in reversed(self.saved):
+            setattr(owner, name, real)
+
+
+def _as_float(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach().cpu())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return ("not a number", type(value).__name__)
+
+
+def _setup(device: torch.device):
+    model = wrap_ddp(make_model(0), device)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    scaler = torch.amp.GradScaler(device.type, init_scale=INIT_SCALE, growth_interval=2000)
+    return model, opt, scaler
+
+
+def _momentum(opt, model) -> dict:
+    return {n: opt.state[p]["momentum_buffer"].detach().cpu().clone()
+            for n, p in model.module.named_parameters() if "momentum_buffer" in opt.state[p]}
+
+
+def _run(fn, dtype_name: str, rank: int, device: torch.device, reference: bool) -> dict:
+    """``STEPS`` steps of ``fn`` (or of the reference) on a fresh DDP model, observed."""
+    amp_dtype = getattr(torch, dtype_name)
+    model, opt, scaler = _setup(device)
+    seen: list = []
+    model.module.net[0].register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)[6:]))
+    rec = None if reference else _Recorder(model, opt, scaler)
+    steps: list[dict] = []
+    try:
+        for s in range(STEPS):
+            x, y = (t.to(device) for t in _data(s, rank))
+            seen.clear()
+            if rec is not None:
+                rec.events.clear()
+                report(step=s + 1, total=STEPS)
+            ret = (_reference_step if reference else fn)(model, opt, scaler, x, y, max_norm=MAX_NORM,
+                                                         amp_dtype=amp_dtype)
+            steps.append({"params": state_to_cpu(model), "momentum": _momentum(opt, model),
+                          "scale": scaler.get_scale(), "returned": _as_float(ret),
+                          "dtypes": list(seen), "events": [] if rec is None else list(rec.events),
+                          "deprecated": [] if rec is None else list(rec.deprecated)})
+            if rec is not None and "allreduce" not in rec.events and seen:
+                # This rank ran no backward through DDP: its peer now waits for it in the
+                # all-reduce. Return, so that run_workers names the rank and the step.
+                steps[-1]["left"] = True
+                break
+    finally:
+        if rec is not None:
+            rec.restore()
+        model = opt = scaler = rec = None
+        gc.collect()
+    return {"steps": steps}
+
+
+def _amp_worker(fns: list, dtype_names: list[str], catch: bool) -> Outcome:
+    """Runs on every rank: per dtype, the reference and each answer on fresh DDP models."""
+    backend, device = backend_and_device()
     dist.init_process_group(backend)
     rank = dist.get_rank()
-    amp_dtype = getattr(torch, amp_dtype_name)
-    ids = [device.index] if device.type == "cuda" else None
-
-    def setup():
-        model = DDP(make_model(0).to(device), device_ids=ids)
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        scaler = torch.amp.GradScaler(device.type, init_scale=INIT_SCALE, growth_interval=2000)
-        return model, opt, scaler
-
-    out: dict = {"rank": rank, "steps": [], "ref": [], "mistakes": {}}
-    model = opt = scaler = None
+    data: dict = {"ref": {}, "answers": [{} for _ in fns], "device": device.type}
     try:
-        model, opt, scaler = setup()
-        seen_dtypes: list = []
-        model.module.net[0].register_forward_hook(lambda m, i, o: seen_dtypes.append(o.dtype))
-        for s in range(STEPS):
-            x, y = (t.to(device) for t in _data(s, rank))
-            seen_dtypes.clear()
-            try:
-                ret = fn(model, opt, scaler, x, y, max_norm=MAX_NORM, amp_dtype=amp_dtype)
-            except NotImplementedError as e:  # the stub: reported as "not done" by the checker
-                out["not_done"] = str(e)
-                break
-            except Exception as e:
-                out["error"] = (s, type(e).__name__, str(e), traceback.format_exc(limit=-3))
-                break
-            if isinstance(ret, torch.Tensor) and ret.numel() == 1:
-                ret = float(ret.detach().cpu())
-            elif not (isinstance(ret, (int, float)) and not isinstance(ret, bool)):
-                ret = ("not a number", type(ret).__name__)
-            out["steps"].append({"params": _params(model), "scale": scaler.get_scale(),
-                                 "returned": ret,
-                                 "dtypes": [str(d).replace("torch.", "") for d in seen_dtypes]})
-        if "not_done" in out or "error" in out:
-            return out
-
-        model, opt, scaler = setup()
-        for s in range(STEPS):
-            x, y = (t.to(device) for t in _data(s, rank))
-            loss = _amp_step(model, opt, scaler, x, y, max_norm=MAX_NORM, amp_dtype=amp_dtype)
-            out["ref"].append({"params": _params(model), "scale": scaler.get_scale(), "loss": loss})
-        del model, opt, scaler
-
-        for mistake in ("clip_before_unscale", "no_clip", "no_unscale"):
-            model, opt, scaler = setup()
-            x, y = (t.to(device) for t in _data(0, rank))
-            _amp_step(model, opt, scaler, x, y, max_norm=MAX_NORM, amp_dtype=amp_dtype,
-                      mistake=mistake)
-            out["mistakes"][mistake] = _params(model)
-            del model, opt, scaler
+        for name in dtype_names:
+            data["ref"][name] = _run(None, name, rank, device, reference=True)
+            for i, fn in enumerate(fns):
+                try:
+                    data["answers"][i][name] = run = _run(fn, name, rank, device, reference=False)
+                except Exception as e:
+                    if not catch:
+                        raise
+                    hint = f"\nUsual mistake: {_SCALER_HINT}" if "update()" in str(e) or \
+                        "after step()" in str(e) else ""
+                    data["answers"][i][name] = {"error": f"your code raised {type(e).__name__}: "
+                                                f"{e}\n" + learner_frames(traceback.format_exc())
+                                                + hint}
+                    continue
+                if run["steps"] and run["steps"][-1].get("left"):
+                    return Outcome(rank, data=data)  # the other rank waits: stop here
     finally:
-        # Free every DDP model before its process group: a DDP model that outlives the group
-        # can hang or abort the worker when it is freed (torch 2.13, gloo).
-        model = opt = scaler = None
-        gc.collect()  # in case a reference cycle still holds one
+        gc.collect()
         dist.destroy_process_group()
-    return out
+    return Outcome(rank, data=data)
 
 
-def _close(a: dict, b: dict, atol: float = ATOL) -> bool:
-    return max((d for _, d, _ in diff_table(a, b)), default=0.0) <= atol
+def _order_problem(events: list) -> str:
+    """What is wrong with the order of one step's calls, or ''."""
+    names = [e if isinstance(e, str) else e[0] for e in events]
+    if "scale" not in names:
+        return ("the loss was never scaled: backward ran on the plain loss, and without "
+                "scaler.step no step is ever skipped. autocast alone is not AMP's whole recipe: "
+                "scaler.scale(loss).backward(), scaler.unscale_(optimizer), clip, "
+                "scaler.step(optimizer), scaler.update().")
+    if "optimizer.step" in names and "scaler.step" not in names:
+        if "unscale_" not in names:
+            return ("optimizer.step() on gradients still multiplied by the scale: use "
+                    "scaler.unscale_(optimizer) and scaler.step(optimizer), not optimizer.step().")
+        return ("optimizer.step() instead of scaler.step(optimizer): only scaler.step skips a step "
+                "whose gradients contain inf or NaN.")
+    if "clip" not in names:
+        return ("the gradients were not clipped: call torch.nn.utils.clip_grad_norm_(model."
+                "parameters(), max_norm) after scaler.unscale_(optimizer). GradScaler only "
+                "skips steps with inf/NaN; it does not bound the gradients.")
+    if "unscale_" not in names or names.index("clip") < names.index("unscale_"):
+        return ("clipping before scaler.unscale_(optimizer): clip_grad_norm_ then sees "
+                "gradients multiplied by the scale and shrinks them far too much. Call "
+                "scaler.unscale_(optimizer) first, then clip, then scaler.step(optimizer).")
+    return ""
 
 
-_MISTAKE_TEXT = {
-    "clip_before_unscale": "clipping before scaler.unscale_(optimizer): clip_grad_norm_ then sees "
-                           "gradients multiplied by the scale and shrinks them far too much. Call "
-                           "scaler.unscale_(optimizer) first, then clip, then scaler.step(optimizer).",
-    "no_clip": "the gradients were not clipped: call torch.nn.utils.clip_grad_norm_(model."
-               "parameters(), max_norm) after scaler.unscale_(optimizer).",
-    "no_unscale": "optimizer.step() on gradients still multiplied by the scale: use "
-                  "scaler.unscale_(optimizer) and scaler.step(optimizer), not optimizer.step().",
-}
+def _judge(answer: dict, ref: dict, device_type: str) -> None:
+    """Raise CheckFailed naming the first mistake in one answer (``answer[rank][dtype]``)."""
+    for name in ref[0]:
+        for rank, a in enumerate(answer):
+            if name in a and "error" in a[name]:
+                raise CheckFailed(f"rank {rank} ({name}): {a[name]['error']}")
+        runs = [a[name]["steps"] for a in answer]
+        refs = [r[name]["steps"] for r in ref]
+        for rank, steps in enumerate(runs):
+            for s, st in enumerate(steps):
+                if st["deprecated"]:
+                    raise CheckFailed(
+                        f"on rank {rank}: your step uses {', '.join(sorted(set(st['deprecated'])))}, "
+                        "deprecated (torch warns so) and, for autocast, CUDA-only: it does nothing for "
+                        "a CPU tensor. Use torch.autocast(x.device.type, dtype=amp_dtype) and the "
+                        "torch.amp.GradScaler you were given.")
+                if not st["dtypes"]:
+                    raise CheckFailed(f"on rank {rank}: the model was never called; run the "
+                                      "forward pass through the model you were given")
+                ac = [e for e in st["events"] if isinstance(e, tuple)]
+                if st["dtypes"][0] != name:
+                    if any(e[1] != device_type for e in ac):
+                        why = (f"autocast was entered for device '{ac[0][1]}' while x is on "
+                               f"'{device_type}': it changes nothing there. Use "
+                               "torch.autocast(x.device.type, dtype=amp_dtype).")
+                    elif ac:
+                        why = (f"autocast ran with dtype {ac[0][2]}, not the amp_dtype given "
+                               f"({name}): pass dtype=amp_dtype instead of a fixed type.")
+                    else:
+                        why = ("the forward pass is not inside torch.autocast(x.device.type, "
+                               "dtype=amp_dtype).")
+                    raise CheckFailed(
+                        f"on rank {rank} ({name}), step {s + 1}: the first Linear layer produced "
+                        f"{st['dtypes'][0]}, expected {name}. Usual mistake: {why}")
+                if st.get("left"):
+                    raise CheckFailed(
+                        f"on rank {rank} ({name}), step {s + 1}: your step returned without a "
+                        "backward pass through DDP, so the other rank waited for it in the "
+                        "all-reduce. Usual mistake: skipping a step locally on a NaN loss; "
+                        "scaler.step decides the skip after the all-reduce, on every rank alike.")
+        for rank, steps in enumerate(runs):
+            got, want = steps[0]["returned"], refs[rank][0]["returned"]
+            if isinstance(got, tuple):
+                raise CheckFailed(f"on rank {rank}, step 1: expected the loss as a float, got "
+                                  f"{got[1]}" + (" (a missing `return`?)" if got[1] == "NoneType" else ""))
+            if not math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-6):
+                scaled = math.isclose(got, want * INIT_SCALE, rel_tol=1e-3)
+                raise CheckFailed(
+                    f"on rank {rank}, step 1: returned loss {got:.6g}, expected {want:.6g}"
+                    + (": that is the scaled loss; return the unscaled loss.item()." if scaled else "."))
+        for s in range(STEPS):
+            st = runs[0][s]
+            if not close(refs[0][s]["params"], st["params"], atol=ATOL):
+                flat = torch.cat([p.flatten() for p in st["params"].values()])
+                if s == OVERFLOW_STEP and not torch.isfinite(flat).all():
+                    raise CheckFailed(
+                        f"({name}) step {s + 1} had NaN gradients (rank {OVERFLOW_RANK}'s input held "
+                        "an inf) and your step applied them: the parameters are now NaN on every "
+                        "rank. Usual mistake: " + (_order_problem(st["events"]) or
+                                                   "optimizer.step() instead of scaler.step."))
+                why = _order_problem(st["events"])
+                if not why and s > 0 and not any(e == "zero_grad" for e in runs[0][s - 1]["events"]
+                                                  + st["events"]):
+                    why = ("gradients left over from the previous step: call "
+                           "optimizer.zero_grad() every step, skipped or not.")
+                compare_tensors(refs[0][s]["params"], st["params"], atol=ATOL,
+                                what=f"parameters after step {s + 1} ({name}, rank 0)",
+                                where="", hint=why or "clipping with a max_norm other than the one "
+                                "given, a different loss, or gradients left from a previous step.")
+            for rank in range(1, WORLD):
+                a, b = runs[0][s]["params"], runs[rank][s]["params"]
+                if not close(a, b, atol=0.0):
+                    compare_tensors(a, b, atol=0.0, what=f"parameters after step {s + 1} ({name})",
+                                    where=f"rank {rank} vs rank 0",
+                                    hint="ranks stepping differently (a skip decided by something "
+                                         "other than scaler.step on the all-reduced gradients).")
+            for rank in range(WORLD):
+                compare_tensors(refs[rank][s]["momentum"], runs[rank][s]["momentum"], atol=ATOL,
+                                what=f"momentum buffers after step {s + 1} ({name})",
+                                where=f"rank {rank}", hint="the skipped step changed the optimizer "
+                                "state: only scaler.step(optimizer) leaves it untouched.")
+            for rank in range(WORLD):
+                got, want = runs[rank][s]["scale"], refs[rank][s]["scale"]
+                if got == want:
+                    continue
+                before = runs[rank][s - 1]["scale"] if s else INIT_SCALE
+                events = runs[rank][s]["events"]
+                if got == before and "update" not in events:
+                    why = (f"scaler.update() did not run at step {s + 1}: call it every step, "
+                           "the skipped ones too (returning early after finding NaN leaves the scale "
+                           "where it was, so the next step overflows again).")
+                elif got == before:
+                    why = "the scale did not change: let scaler.update() see the skipped step."
+                elif got == before * 0.25:
+                    why = ("the scale was halved twice: do not call scaler.update(new_scale) or "
+                           "adjust the scale yourself; GradScaler already halves it on inf/NaN.")
+                else:
+                    why = "let GradScaler manage the scale: one scaler.update() per step, no argument."
+                raise CheckFailed(f"({name}) on rank {rank}, after step {s + 1} the scale is {got:g}, "
+                                  f"expected {want:g} (half of {before:g}). Usual mistake: {why}")
+
+
+def _check_signature(fn) -> None:
+    try:
+        inspect.signature(fn).bind(None, None, None, None, None, max_norm=1.0, amp_dtype=None)
+    except (TypeError, ValueError):
+        raise CheckFailed("the checker calls fn(model, optimizer, scaler, x, y, max_norm=..., "
+                          f"amp_dtype=...); your function's signature is {fn.__name__}"
+                          f"{inspect.signature(fn)}.") from None
+
+
+_SCALER_HINT = ("GradScaler's 'unscale_() is being called after step()' or 'unscale_() has already "
+                "been called on this optimizer since the last update()' means a step that ended "
+                "without scaler.update(): update() closes every step, skipped or not.")
+_HINT = ("if a rank returned early: a step skipped on one rank only (`if not torch.isfinite(loss): "
+         "return` on the rank whose loss overflowed) leaves the other rank waiting in DDP's "
+         "all-reduce; let scaler.step decide the skip, it sees the all-reduced gradients on every "
+         "rank. " + _SCALER_HINT)
 
 
 @checker("08.a AMP step under DDP")
-def check_amp_step(fn, *, amp_dtype: torch.dtype = torch.float16, timeout: float = 120) -> None:
+def check_amp_step(fn, *, amp_dtype: torch.dtype | None = None, timeout: float = 120) -> None:
     """Run ``fn(model, optimizer, scaler, x, y, max_norm=..., amp_dtype=...)`` on 2 DDP ranks.
 
-    Three steps; at the second, rank 1's input holds an inf.  Expected: the forward under
-    autocast in ``amp_dtype``; parameters equal to the reference AMP step (unscale_, clip, step,
-    update) on every rank; the overflow step skipped on *both* ranks and the scale halved once.
+    Three steps with float16, three with bfloat16 (or only ``amp_dtype`` when given); at the
+    second, rank 1's input holds an inf.  Expected: the forward under ``torch.autocast`` in
+    ``amp_dtype``; parameters, momentum and scale equal to the step written with torch's own calls
+    on every rank; the overflow step skipped on *both* ranks and the scale halved once.
     """
     require_callable(fn, "a function amp_step(model, optimizer, scaler, x, y, *, max_norm, amp_dtype)")
-    from ..workers.supervisor import launch
+    _check_signature(fn)
+    names = [str(amp_dtype).replace("torch.", "")] if amp_dtype is not None else list(DTYPES)
+    outcomes = run_workers(_amp_worker, WORLD, args=([fn], names, False), timeout=timeout,
+                           hang_hint=_HINT, error_hint=_HINT)
+    first_problem(outcomes)
+    _judge([o.data["answers"][0] for o in outcomes], [o.data["ref"] for o in outcomes],
+           outcomes[0].data["device"])
+    print(f"amp_step: on {WORLD} ranks, {STEPS} steps each in {' and '.join(names)}; autocast, "
+          "scale, unscale_, clip, scaler.step and update in order; the overflow step skipped on both "
+          "ranks and the scale halved once; parameters, momentum and scale match torch's own step")
 
-    name = str(amp_dtype).replace("torch.", "")
-    results = launch(_amp_worker, nprocs=WORLD, args=(fn, name), timeout=timeout, display=None)
-    for r in results:
-        if "not_done" in r:
-            raise NotImplementedError(r["not_done"])
-    for r in results:
-        if "error" in r:
-            s, etype, msg, tb = r["error"]
-            hint = ""
-            if ("has already been called" in msg and "update()" in msg) or "called after step()" in msg:
-                hint = ("\nUsual mistake: scaler.step(optimizer) without scaler.update() afterwards; "
-                        "update() closes the step and is needed every iteration.")
-            elif "No inf checks were recorded" in msg:
-                hint = ("\nUsual mistake: optimizer.step() instead of scaler.step(optimizer); "
-                        "scaler.update() needs the inf/NaN check that scaler.step (or unscale_) makes.")
-            elif "unexpected keyword" in msg or "positional argument" in msg:
-                hint = ("\nThe checker calls fn(model, optimizer, scaler, x, y, max_norm=..., "
-                        "amp_dtype=...).")
-            raise CheckFailed(f"on rank {r['rank']}, step {s + 1}: your function raised "
-                              f"{etype}: {msg}{hint}\n{tb}")
-    for r in results:
-        dts = r["steps"][0]["dtypes"]
-        if not dts:
-            raise CheckFailed(f"on rank {r['rank']}: the model was never called; run the forward "
-                              "pass through the model you were given")
-        if dts[0] != name:
-            raise CheckFailed(
-                f"on rank {r['rank']}: the first Linear layer produced {dts[0]}, expected {name}. "
-                f"Usual mistake: the forward pass is not inside torch.autocast(x.device.type, "
-                f"dtype=amp_dtype)" + (" (or a different dtype was used)" if dts[0] != "float32" else ""))
-    for r in results:
-        got, ref = r["steps"][0]["returned"], r["ref"][0]["loss"]
-        if isinstance(got, tuple):
-            raise CheckFailed(f"on rank {r['rank']}, step 1: expected the loss as a float, got "
-                              f"{got[1]}" + (" (a missing `return`?)" if got[1] == "NoneType" else ""))
-        if not math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6):
-            scaled = math.isclose(got, ref * INIT_SCALE, rel_tol=1e-3)
-            raise CheckFailed(
-                f"on rank {r['rank']}, step 1: returned loss {got:.6g}, expected {ref:.6g}"
-                + (": that is the scaled loss; return the unscaled loss.item()." if scaled else "."))
-    r0 = results[0]
-    got, ref = r0["steps"][0]["params"], r0["ref"][0]["params"]
-    if not _close(ref, got):
-        table = format_table(diff_table(ref, got), ATOL)
-        head = (f"parameters after step 1 (rank 0) differ from the reference AMP step "
-                f"(autocast, scale, backward, unscale_, clip_grad_norm_, step, update):\n{table}\n")
-        for mistake, params in r0["mistakes"].items():
-            if _close(params, got):
-                raise CheckFailed(head + "Usual mistake: " + _MISTAKE_TEXT[mistake])
-        raise CheckFailed(head + "Usual mistake: clipping with a max_norm other than the one "
-                          "given, a different loss, or no optimizer.zero_grad().")
-    before = r0["steps"][OVERFLOW_STEP - 1]
-    after = r0["steps"][OVERFLOW_STEP]
-    flat = torch.cat([p.flatten() for p in after["params"].values()])
-    if not torch.isfinite(flat).all():
-        raise CheckFailed(
-            f"step {OVERFLOW_STEP + 1} had NaN gradients (rank {OVERFLOW_RANK}'s input held an inf) "
-            "and your step applied them: the parameters are now NaN on every rank. Usual mistake: "
-            "optimizer.step() instead of scaler.step(optimizer), which skips a step whose "
-            "gradients contain inf or NaN.")
-    for s in range(STEPS):
-        a, b = results[0]["steps"][s]["params"], results[1]["steps"][s]["params"]
-        if not _close(a, b, 0.0):
-            raise CheckFailed(
-                f"after step {s + 1}, rank 1's parameters differ from rank 0's:\n"
-                f"{format_table(diff_table(a, b), 0.0)}\nUsual mistake: ranks stepping differently "
-                "(a skip decided by something other than scaler.step on the all-reduced gradients).")
-    if not _close(before["params"], after["params"], 0.0):
-        raise CheckFailed(
-            f"step {OVERFLOW_STEP + 1} had NaN gradients but the parameters changed; it should "
-            "have been skipped. Usual mistake: calling optimizer.step() yourself, or stepping "
-            "twice.")
-    want_scale = before["scale"] * 0.5
-    if after["scale"] != want_scale:
-        if after["scale"] == before["scale"]:
-            why = ("the scale did not change: call scaler.update() after scaler.step(optimizer) "
-                   "every step; it halves the scale after a skipped step.")
-        elif after["scale"] == before["scale"] * 0.25:
-            why = ("the scale was halved twice: do not call scaler.update(new_scale) or adjust "
-                   "the scale yourself; GradScaler already halves it on inf/NaN.")
-        else:
-            why = "let GradScaler manage the scale: one scaler.update() per step, no argument."
-        raise CheckFailed(f"after the overflow at step {OVERFLOW_STEP + 1} the scale is "
-                          f"{after['scale']:g}, expected {want_scale:g} (half of {before['scale']:g}). "
-                          f"Usual mistake: {why}")
-    for s in range(STEPS):
-        got, ref = r0["steps"][s]["params"], r0["ref"][s]["params"]
-        if not _close(ref, got):
-            raise CheckFailed(
-                f"parameters after step {s + 1} (rank 0) differ from the reference AMP step:\n"
-                f"{format_table(diff_table(ref, got), ATOL)}\nUsual mistake: gradients left over "
-                "from the skipped step (call optimizer.zero_grad() every step, skipped or not).")
+
+def amp_verdicts(fns: list, *, timeout: float = 240) -> list[str]:
+    """08.a's verdict on several answers in one launch: ``""`` for a pass, else the message.
+
+    For answers that neither hang nor fail on one rank only (an instructor's collection, the
+    tests); a learner's own answer goes through ``check_amp_step``.
+    """
+    outcomes = sorted(run_workers(_amp_worker, WORLD, args=(list(fns), list(DTYPES), True),
+                                  timeout=timeout), key=lambda o: o.rank)
+    verdicts = []
+    for i in range(len(fns)):
+        try:
+            _judge([o.data["answers"][i] for o in outcomes], [o.data["ref"] for o in outcomes],
+                   outcomes[0].data["device"])
+            verdicts.append("")
+        except CheckFailed as e:
+            verdicts.append(str(e))
+    return verdicts
