@@ -1,0 +1,214 @@
+"""The course as a learner sees it: JupyterLab in a real (headless) Chromium.
+
+JupyterLab is started on a free port from a temporary copy of chapter 01 and of a small notebook
+whose workers report progress for a few seconds.  The browser opens chapter 01 (it must render
+with its committed outputs and start its kernel), then opens the progress notebook and runs all
+its cells from the Run menu, and checks what the learner sees: the live progress widgets while
+the workers run, then the static summary and the final figure in their place, and no error in any
+cell.  Everything it started (server, kernels, browser, temporary folders) is stopped at the end.
+
+Needs Debian's ``chromium`` (``.ci/run`` installs it with apt when it runs as root) and the
+``playwright`` package, which drives that browser; Playwright's own browser download is never
+used.  Without them the test is skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from course_utils import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+# The visible notebook's kernel has started and is idle (the toolbar's execution indicator).
+KERNEL_IDLE_JS = ("() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) "
+                  ".jp-Notebook-ExecutionIndicator')].some(e => e.getAttribute('data-status') === 'idle')")
+
+# Records what the live display showed: the most progress bars at once, the header while running,
+# and whether a metrics line named a step.
+WATCH_WIDGETS_JS = """() => {
+  window.__seenBars = 0;
+  window.__seen = {bars: 0, header: "", steps: false};
+  const look = () => {
+    const bars = document.querySelectorAll('.jp-OutputArea .widget-hprogress').length;
+    window.__seenBars = Math.max(window.__seenBars, bars);
+    window.__seen.bars = window.__seenBars;
+    for (const h of document.querySelectorAll('.jp-OutputArea .widget-html')) {
+      const t = h.innerText || "";
+      if (t.includes("running")) window.__seen.header = t;
+      if (/step \\d+/.test(t)) window.__seen.steps = true;
+    }
+  };
+  new MutationObserver(look).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
+PROGRESS_NOTEBOOK_CELLS = [
+    "import course_utils",
+    '''def train(steps=30):
+    import time
+
+    import course_utils
+
+    for i in range(steps):
+        time.sleep(0.15)
+        course_utils.report(step=i + 1, total=steps, loss=1.0 / (i + 1))
+    return "done"
+
+
+course_utils.launch(train, nprocs=2, timeout=120)''',
+    'print("every cell ran")',
+]
+
+
+def _progress_notebook() -> dict:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in PROGRESS_NOTEBOOK_CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def _api(base: str, token: str, path: str, method: str = "GET") -> object:
+    req = urllib.request.Request(f"{base}{path}", method=method,
+                                 headers={"Authorization": f"token {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        body = r.read()
+    return json.loads(body) if body else None
+
+
+@contextlib.contextmanager
+def jupyterlab(folder: Path, home: Path):
+    """A JupyterLab server on a free port serving ``folder``; everything it started is stopped after."""
+    port, token = free_port(), secrets.token_hex(16)
+    settings = home / "lab-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    # no "news" pop-up over the notebook (it would also try the closed network)
+    (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
+    # every cell in the page, not only those scrolled into view, so that the test can see them all
+    tracker = home / "lab-settings" / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True)
+    (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "COURSE_DISPLAY"))}
+    env.update(HOME=str(home), JUPYTER_CONFIG_DIR=str(home / "config"),
+               JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_DATA_DIR=str(home / "data"),
+               COURSE_PROGRESS="off", IPYTHONDIR=str(home / "ipython"))
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--notebook-dir={folder}",
+           f"--LabApp.user_settings_dir={home / 'lab-settings'}",
+           f"--LabApp.workspaces_dir={home / 'workspaces'}", "--allow-root"]
+    log = open(home / "server.log", "w")  # noqa: SIM115  (closed below)
+    server = subprocess.Popen(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    seen: set[psutil.Process] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _api(base, token, "/api/status")
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    log.flush()
+                    pytest.fail("JupyterLab did not start:\n" + (home / "server.log").read_text()[-3000:])
+                time.sleep(0.3)
+        yield base, token, lambda: seen.update(psutil.Process(server.pid).children(recursive=True))
+    finally:
+        with contextlib.suppress(psutil.Error):
+            seen.update(psutil.Process(server.pid).children(recursive=True))
+        with contextlib.suppress(OSError, ValueError):
+            for k in _api(base, token, "/api/kernels"):
+                _api(base, token, f"/api/kernels/{k['id']}", "DELETE")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+        for p in seen:  # kernels run in sessions of their own; and their workers
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+def test_learner_view_in_chromium(no_leftover_processes):
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is not installed (Debian: apt-get install chromium; .ci/run does "
+                    "this when run as root)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not "
+                                   "installed (pip install -e '.[test]')")
+    with tempfile.TemporaryDirectory(prefix="course-browser-") as tmp:
+        tmp = Path(tmp)
+        course, home = tmp / "course", tmp / "home"
+        course.mkdir()
+        home.mkdir()
+        shutil.copy(ROOT / "notebooks" / "01_single_device.ipynb", course)
+        (course / "progress_demo.ipynb").write_text(json.dumps(_progress_notebook()))
+        with jupyterlab(course, home) as (base, token, remember_kernels), sync_api.sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(
+                str(tmp / "chromium-profile"), executable_path=str(CHROMIUM), headless=True,
+                args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 1000})
+            try:
+                page = ctx.new_page()
+                page.set_default_timeout(45_000)
+                # Chapter 01 renders with its committed outputs, and its kernel starts.
+                page.goto(f"{base}/lab/workspaces/ch01/tree/01_single_device.ipynb?token={token}")
+                nb01 = page.locator(".jp-NotebookPanel:visible .jp-Notebook")
+                nb01.locator("h1").first.wait_for()
+                assert nb01.locator("h1").first.inner_text().startswith("01 ")
+                assert nb01.locator(".jp-OutputArea-output img").count() > 0  # committed figures
+                page.wait_for_function(KERNEL_IDLE_JS)
+                remember_kernels()
+
+                # The progress notebook, run from the menu (a workspace of its own: the only notebook
+                # open, so "Run All Cells" runs this one).
+                page.goto(f"{base}/lab/workspaces/progress/tree/progress_demo.ipynb?token={token}")
+                nb = page.locator(".jp-NotebookPanel:visible .jp-Notebook")
+                nb.locator(".jp-Cell").nth(2).wait_for()
+                page.wait_for_function(KERNEL_IDLE_JS)
+                remember_kernels()
+                # Watch the page for the live widgets from before the run starts: on a slow machine
+                # polling could miss them, on a fast one they are replaced within seconds.
+                page.evaluate(WATCH_WIDGETS_JS)
+                nb.locator(".jp-Cell").first.click()  # the notebook has the focus
+                page.get_by_role("menuitem", name="Run", exact=True).click()
+                page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+                launch_cell = nb.locator(".jp-Cell").nth(1)
+                page.wait_for_function("() => window.__seenBars >= 2")  # one bar per rank
+                remember_kernels()
+                last_output = nb.locator(".jp-Cell").nth(2).locator(".jp-OutputArea-output")
+                last_output.filter(has_text="every cell ran").wait_for(timeout=120_000)
+                seen = page.evaluate("() => window.__seen")
+                assert seen["bars"] >= 2 and "2 ranks" in seen["header"] and "running" in seen["header"], seen
+                assert seen["steps"], seen  # a metrics line showed the steps while the workers ran
+                # Then the static summary (in place of the widgets) and the final figure.
+                summary = launch_cell.locator(".jp-OutputArea-output table")
+                assert summary.count() == 1, launch_cell.inner_text()
+                text = summary.inner_text()
+                assert "rank 0" in text and "rank 1" in text and "30/30" in text, text
+                assert launch_cell.locator(".jp-OutputArea-output img").count() == 1
+                assert launch_cell.locator(".widget-hprogress").count() == 0
+                # No cell shows an error, in either notebook.
+                errors = page.locator("[data-mime-type='application/vnd.jupyter.error'], .jp-mod-error")
+                assert errors.count() == 0, errors.all_inner_texts()
+            finally:
+                ctx.close()
