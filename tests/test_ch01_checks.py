@@ -48,8 +48,29 @@ def summed_loss(model, opt, x, y):
     return loss.item()
 
 
-def test_train_step_accepts_the_reference(capsys):
-    check_train_step(good_step)
+def step_zeroes_after(model, opt, x, y):
+    """Clears the gradients at the end of the step instead of the start: the same updates."""
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    for p in model.parameters():
+        p.grad = None
+    return loss.item()
+
+
+def step_log_softmax(model, opt, x, y):
+    """The same loss spelled as log_softmax + nll_loss, gradients zeroed in place."""
+    opt.zero_grad(set_to_none=False)
+    loss = nn.functional.nll_loss(model(x).log_softmax(dim=1), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("right", [good_step, step_zeroes_after, step_log_softmax],
+                         ids=lambda f: f.__name__)
+def test_train_step_accepts_several_right_answers(right, capsys):
+    check_train_step(right)
     assert "[PASS] 01.a training step" in capsys.readouterr().out
 
 
@@ -123,8 +144,32 @@ def eval_percent(model, loader):
     return 100 * good_eval(model, loader)
 
 
-def test_evaluate_accepts_the_reference(capsys):
-    check_evaluate(good_eval)
+def eval_inference_mode_cat(model, loader):
+    """All predictions first, one comparison at the end; inference_mode instead of no_grad."""
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        preds = torch.cat([model(x).argmax(1) for x, _ in loader])
+        labels = torch.cat([y for _, y in loader])
+    model.train(was_training)
+    return (preds == labels).float().mean()
+
+
+def eval_weighted_batches(model, loader):
+    """Per-batch accuracies weighted by batch size: the same fraction."""
+    model.eval()
+    acc = n = 0.0
+    with torch.no_grad():
+        for x, y in loader:
+            acc += (model(x).argmax(1) == y).float().mean().item() * len(y)
+            n += len(y)
+    return acc / n
+
+
+@pytest.mark.parametrize("right", [good_eval, eval_inference_mode_cat, eval_weighted_batches],
+                         ids=lambda f: f.__name__)
+def test_evaluate_accepts_several_right_answers(right, capsys):
+    check_evaluate(right)
     assert "[PASS] 01.b evaluation" in capsys.readouterr().out
 
 

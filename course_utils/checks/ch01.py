@@ -80,7 +80,7 @@ def check_train_step(train_step: Callable) -> None:
                               "`optimizer.step()` after `loss.backward()`.")
         if step > 0:
             stale = [n for (n, p), q in zip(mine.named_parameters(), ref.parameters())
-                     if p.grad is not None and not torch.allclose(p.grad, q.grad, atol=1e-6)]
+                     if p.grad is not None and not close(p.grad, q.grad, atol=1e-6)]
             if stale:
                 raise CheckFailed(
                     f"step {step}: the gradients of {stale[0]} are not this batch's gradients; "
