@@ -81,6 +81,20 @@ def all_reduce_before_backward(model, batches, lr):
     return model
 
 
+def averages_the_loss(model, batches, lr):
+    # "averaging the loss over the ranks averages the gradients"
+    world = dist.get_world_size()
+    _broadcast(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        dist.all_reduce(loss)
+        (loss / world).backward()
+        opt.step()
+    return model
+
+
 def weights_only(model, batches, lr):
     world = dist.get_world_size()
     _broadcast(model)
@@ -124,10 +138,12 @@ def test_accepts_right_answer(capsys):
     (sums_instead_of_averaging, r"SUM of the gradients .* did not divide by the world size \(2\)"),
     (no_initial_broadcast, r"Usual mistake: not broadcasting the initial weights"),
     (all_reduce_before_backward, r"its gradients were never all-reduced"),
+    (averages_the_loss, r"(?s)all-reduced a tensor of the autograd graph \(the loss\).*does not "
+                        r"average the gradients.*all-reduce every p\.grad"),
     (weights_only, r"(?s)net\.0\.bias .*DIFFERENT.*all-reducing only some parameters"),
     (forgets_return, r"returned None on rank 0; expected the trained model"),
 ])
-def test_rejects_usual_mistakes(wrong, message):
+def test_rejects_usual_mistakes(wrong, message, no_leftover_processes):
     with pytest.raises(CheckFailed, match=message) as info:
         check_hand_allreduce(wrong)
     assert info.value.args[0].startswith("[04.a hand-written all-reduce]")

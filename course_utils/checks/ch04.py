@@ -150,12 +150,25 @@ def _hand_allreduce_worker(train_fn: Callable) -> dict:
 
         # The learner's function, on its own copy of the same start and data.
         mine = copy.deepcopy(init)
+        # Record all-reduces of tensors inside the autograd graph (a loss): autograd does not
+        # differentiate through dist.all_reduce, so they never reach the gradients.
+        in_graph = [0]
+        real_all_reduce = dist.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):
+            if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+                in_graph[0] += 1
+            return real_all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = all_reduce
         try:
             got = train_fn(mine, [(x.clone(), y.clone()) for x, y in batches], _A_LR)
         except NotImplementedError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to the learner with the rank
             return {"rank": rank, "error": _describe_error(e)}
+        finally:
+            dist.all_reduce = real_all_reduce
         if got is None:
             return {"rank": rank, "error": None, "returned": "None"}
         if not isinstance(got, torch.nn.Module):
@@ -165,7 +178,7 @@ def _hand_allreduce_worker(train_fn: Callable) -> dict:
         except Exception as e:  # noqa: BLE001
             return {"rank": rank, "error": _describe_error(e)}
         return {
-            "rank": rank, "error": None, "returned": "module",
+            "rank": rank, "error": None, "returned": "module", "loss_all_reduces": in_graph[0],
             "expected": expected, "got": got_state,
             "variants": {k: diff_table(s, got_state) for k, s in variant_states.items()},
         }
@@ -174,7 +187,8 @@ def _hand_allreduce_worker(train_fn: Callable) -> dict:
 
 
 @checker("04.a hand-written all-reduce")
-def check_hand_allreduce(train_data_parallel: Callable, *, world_sizes=(2, 3), timeout: float = 120.0) -> None:
+def check_hand_allreduce(train_data_parallel: Callable, *, world_sizes=(2, 3),
+                         timeout: float = 120.0) -> None:
     """Run ``train_data_parallel(model, batches, lr)`` on 2 and 3 ranks; compare with torch DDP."""
     from ..workers.supervisor import WorkerTimeout, launch
 
@@ -221,6 +235,14 @@ def _judge_hand_allreduce(results: list[dict], world: int) -> None:
                 "different weights and so never agree. Usual mistake: not broadcasting the initial "
                 "weights: before training, copy rank 0's parameters to every rank with "
                 "dist.broadcast(p.data, src=0) (torch DDP does this in its constructor).")
+        if r.get("loss_all_reduces"):
+            raise CheckFailed(
+                f"on {where} the gradients were never averaged: your code all-reduced a tensor of "
+                f"the autograd graph (the loss) {r['loss_all_reduces']} time(s). Averaging the loss "
+                "does not average the gradients: autograd does not differentiate through "
+                "dist.all_reduce (torch warns 'c10d::allreduce_: an autograd kernel was not "
+                "registered'), so backward still gives each rank the gradient of its own loss. "
+                "After loss.backward(), all-reduce every p.grad and divide it by the world size.")
         if _close(v["no sync"]) or _close(v["nothing"]):
             raise CheckFailed(
                 f"on {where} the model trained only on its own shard: its gradients were never "
