@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,3 +40,21 @@ def test_reading_time_is_an_estimate_rounded_to_five_minutes():
     mod = _chapter_table()
     assert mod.reading_minutes({"markdown_words": 2000, "code_lines": 100}) == 15
     assert mod.reading_minutes({"markdown_words": 10, "code_lines": 0}) == 5
+
+
+def test_jupyterhub_page_quotes_the_room_simulation():
+    spec = importlib.util.spec_from_file_location("room_simulation",
+                                                  ROOT / "benchmarks" / "room_simulation.py")
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports its sibling _measure
+    try:
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    data = json.loads((ROOT / "benchmarks" / "results" / "room_simulation.json").read_text())
+    page = (ROOT / "docs" / "jupyterhub.md").read_text()
+    quoted = page.split("<!-- room-simulation:begin -->\n", 1)[1]
+    quoted = quoted.split("\n<!-- room-simulation:end -->", 1)[0]
+    assert quoted == mod.markdown(data), (
+        "docs/jupyterhub.md is out of date: paste in python benchmarks/room_simulation.py --markdown")
+    assert [r["learners"] for r in data["rounds"]] and data["measured"]["started_utc"]
