@@ -1,6 +1,6 @@
 """Checkers of chapter 04 (DistributedDataParallel).
 
-Both run the learner's code in real worker processes (``launch``; gloo on CPU, NCCL with a GPU per
+Both run the learner's code in real worker processes (``run_workers``; gloo on CPU, NCCL with a GPU per
 rank) next to torch's own ``DistributedDataParallel`` on the same data, and compare, rank by rank.
 
 - ``check_hand_allreduce(train_data_parallel)``: ``train_data_parallel(model, batches, lr)`` trains
@@ -19,9 +19,24 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn.functional as F
 
-from ..checking import CheckFailed, checker, diff_table, format_table, require_callable
+from ..checking import (
+    CheckFailed,
+    checker,
+    diff_table,
+    format_table,
+    require_callable,
+    run_workers,
+    state_to_cpu,
+    wrap_ddp,
+)
+from ..data import make_dataset, make_model, split
+from ..devices import backend_and_device
 
 __all__ = ["check_hand_allreduce", "check_mini_ddp"]
 
@@ -35,9 +50,7 @@ ATOL = 1e-5
 
 def _rank_batches(steps: int, global_batch: int, device: torch.device) -> list:
     """This rank's rows r::N of each of ``steps`` global batches of the course training split."""
-    import torch.distributed as dist
 
-    from ..data import make_dataset, split
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = split(make_dataset(4096), n_val=1024)[0].tensors
@@ -46,16 +59,6 @@ def _rank_batches(steps: int, global_batch: int, device: torch.device) -> list:
         rows = (torch.arange(s * global_batch, (s + 1) * global_batch) % len(x))[rank::world]
         out.append((x[rows].to(device), y[rows].to(device)))
     return out
-
-
-def _wrap_ddp(model: torch.nn.Module, device: torch.device, **kwargs: Any):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    return DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None, **kwargs)
-
-
-def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t.detach().cpu().clone() for n, t in model.state_dict().items()}
 
 
 def _close(rows: list, atol: float = ATOL) -> bool:
@@ -71,14 +74,10 @@ def _describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:400]}"
 
 
-_MISMATCH_HINT = ("Usual mistakes: a collective inside `if rank == 0:`, or a different number of "
-                  "all_reduce calls on different ranks (for instance skipping parameters whose "
-                  ".grad is None on one rank only).")
+_MISMATCH_HINT = ("the ranks did not call the same collectives: a collective inside "
+                  "`if rank == 0:`, or a different number of all_reduce calls on different ranks "
+                  "(for instance skipping parameters whose .grad is None on one rank only).")
 
-
-def _timeout_message(world: int, timeout: float) -> str:
-    return (f"the {world} worker processes did not finish within {timeout:g} s: some rank is "
-            f"waiting in a collective that another rank never calls. {_MISMATCH_HINT}")
 
 
 def _peer_gone(error: str) -> bool:
@@ -94,8 +93,6 @@ _A_STEPS, _A_BATCH, _A_LR = 4, 48, 0.2
 
 def _sgd_variant(model, batches, lr, *, broadcast: bool, sync: str):
     """Reference implementations of right and wrong answers, to name the learner's mistake."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
 
     world = dist.get_world_size()
     if broadcast:
@@ -116,11 +113,7 @@ def _sgd_variant(model, batches, lr, *, broadcast: bool, sync: str):
 
 
 def _hand_allreduce_worker(train_fn: Callable) -> dict:
-    import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from .. import backend_and_device
-    from ..data import make_model
 
     backend, device = backend_and_device(announce=False)
     dist.init_process_group(backend)
@@ -130,13 +123,13 @@ def _hand_allreduce_worker(train_fn: Callable) -> dict:
         init = make_model(seed=100 + rank).to(device)  # a different start on every rank
 
         # torch DDP: the answer.
-        ddp = _wrap_ddp(copy.deepcopy(init), device)
+        ddp = wrap_ddp(copy.deepcopy(init), device)
         opt = torch.optim.SGD(ddp.parameters(), lr=_A_LR)
         for x, y in batches:
             opt.zero_grad()
             F.cross_entropy(ddp(x), y).backward()
             opt.step()
-        expected = _cpu_state(ddp.module)
+        expected = state_to_cpu(ddp.module)
         del ddp
 
         variants = {
@@ -145,7 +138,7 @@ def _hand_allreduce_worker(train_fn: Callable) -> dict:
             "no sync": _sgd_variant(copy.deepcopy(init), batches, _A_LR, broadcast=True, sync="none"),
             "nothing": _sgd_variant(copy.deepcopy(init), batches, _A_LR, broadcast=False, sync="none"),
         }
-        variant_states = {k: _cpu_state(m) for k, m in variants.items()}
+        variant_states = {k: state_to_cpu(m) for k, m in variants.items()}
         dist.barrier()
 
         # The learner's function, on its own copy of the same start and data.
@@ -174,7 +167,7 @@ def _hand_allreduce_worker(train_fn: Callable) -> dict:
         if not isinstance(got, torch.nn.Module):
             return {"rank": rank, "error": None, "returned": type(got).__name__}
         try:
-            got_state = _cpu_state(got)
+            got_state = state_to_cpu(got)
         except Exception as e:  # noqa: BLE001
             return {"rank": rank, "error": _describe_error(e)}
         return {
@@ -190,14 +183,10 @@ def _hand_allreduce_worker(train_fn: Callable) -> dict:
 def check_hand_allreduce(train_data_parallel: Callable, *, world_sizes=(2, 3),
                          timeout: float = 120.0) -> None:
     """Run ``train_data_parallel(model, batches, lr)`` on 2 and 3 ranks; compare with torch DDP."""
-    from ..workers.supervisor import WorkerTimeout, launch
-
     require_callable(train_data_parallel, "train_data_parallel(model, batches, lr)")
     for world in world_sizes:
-        try:
-            results = launch(_hand_allreduce_worker, world, args=(train_data_parallel,), timeout=timeout)
-        except WorkerTimeout:
-            raise CheckFailed(_timeout_message(world, timeout)) from None
+        results = run_workers(_hand_allreduce_worker, world, args=(train_data_parallel,),
+                              timeout=timeout, hang_hint=_MISMATCH_HINT, error_hint=_MISMATCH_HINT)
         _judge_hand_allreduce(results, world)
     print(f"train_data_parallel matches torch DDP after {_A_STEPS} SGD steps on "
           f"{' and '.join(str(w) for w in world_sizes)} ranks, starting from a different "
@@ -209,7 +198,7 @@ def _judge_hand_allreduce(results: list[dict], world: int) -> None:
         if r.get("error") and _peer_gone(r["error"]):
             raise CheckFailed(
                 f"rank {r['rank']} of {world} was still waiting in a collective when another rank "
-                f"had finished and left: the ranks did not call the same collectives. {_MISMATCH_HINT}")
+                f"had finished and left. Usual mistake: {_MISMATCH_HINT}")
     for r in results:
         if r.get("error"):
             raise CheckFailed(f"on rank {r['rank']} of {world}, train_data_parallel raised {r['error']}")
@@ -304,7 +293,6 @@ class FrozenAndShared(torch.nn.Module):
 
 def _b_models(rank: int) -> dict[str, torch.nn.Module]:
     """Each rank builds a *different* model (seed and buffers depend on the rank)."""
-    from ..data import make_model
 
     course = make_model(seed=200 + rank, norm=True)
     with torch.no_grad():
@@ -325,9 +313,7 @@ class _Spy:
         self.calls = 0
 
     def install(self) -> None:
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
+        
         real = c10d.all_reduce
         spy = self
 
@@ -364,14 +350,12 @@ def _mini_ddp_case(cls: Any, case: str, init: torch.nn.Module, batches: list, de
     only in this function, so it is gone before the caller destroys the process group (a DDP
     model that outlives its process group can hang the process on gloo).
     """
-    import torch.distributed as dist
-    import torch.nn.functional as F
 
     res: dict[str, Any] = {"case": case, "rank": dist.get_rank()}
     sync_flag = ("forward_sync_buffers" if "forward_sync_buffers" in
                  inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
                  else "broadcast_buffers")
-    ddp = _wrap_ddp(copy.deepcopy(init), device, **{sync_flag: False})
+    ddp = wrap_ddp(copy.deepcopy(init), device, **{sync_flag: False})
     if sync_flag == "broadcast_buffers":  # old PyTorch: False also skipped the broadcast at init
         for b in ddp.module.buffers():
             dist.broadcast(b, src=0)
@@ -391,7 +375,7 @@ def _mini_ddp_case(cls: Any, case: str, init: torch.nn.Module, batches: list, de
     if getattr(wrapped, "module", None) is not mine:
         res["error"] = ("module", type(getattr(wrapped, "module", None)).__name__)
         return res
-    res["construct"] = diff_table(_cpu_state(ddp.module), _cpu_state(mine))
+    res["construct"] = diff_table(state_to_cpu(ddp.module), state_to_cpu(mine))
     spy.params = [p for p in mine.parameters() if p.requires_grad]
     opt = torch.optim.SGD(mine.parameters(), lr=_B_LR)
     res["steps"] = []
@@ -430,16 +414,13 @@ def _mini_ddp_case(cls: Any, case: str, init: torch.nn.Module, batches: list, de
         })
         ref_opt.step()
         opt.step()
-    res["final"] = diff_table(_cpu_state(ddp.module), _cpu_state(mine))
+    res["final"] = diff_table(state_to_cpu(ddp.module), state_to_cpu(mine))
     res["final_state"] = {n: p.detach().cpu().clone() for n, p in mine.named_parameters()}
     return res
 
 
 def _mini_ddp_worker(cls_bytes: bytes) -> list[dict]:
-    import cloudpickle
-    import torch.distributed as dist
 
-    from .. import backend_and_device
 
     backend, device = backend_and_device(announce=False)
     dist.init_process_group(backend)
@@ -469,19 +450,14 @@ def _mini_ddp_worker(cls_bytes: bytes) -> list[dict]:
 @checker("04.b mini DDP")
 def check_mini_ddp(DDPIndividualParameters: Any, *, timeout: float = 120.0) -> None:
     """Run the learner's wrapper on 3 ranks beside torch DDP; compare states and gradients."""
-    import cloudpickle
-
-    from ..workers.supervisor import WorkerTimeout, launch
 
     require_callable(DDPIndividualParameters, "the class DDPIndividualParameters(module)")
     try:
         payload = cloudpickle.dumps(DDPIndividualParameters)
     except Exception as e:
         raise CheckFailed(f"DDPIndividualParameters cannot be sent to the worker processes: {e}") from None
-    try:
-        results = launch(_mini_ddp_worker, _B_WORLD, args=(payload,), timeout=timeout)
-    except WorkerTimeout:
-        raise CheckFailed(_timeout_message(_B_WORLD, timeout)) from None
+    results = run_workers(_mini_ddp_worker, _B_WORLD, args=(payload,), timeout=timeout,
+                          hang_hint=_MISMATCH_HINT, error_hint=_MISMATCH_HINT)
     _judge_mini_ddp(results)
     print(f"DDPIndividualParameters matches torch DDP on {_B_WORLD} ranks after {_B_STEPS} SGD steps "
           "(course model with BatchNorm; a model with a frozen layer and shared parameters), and "
