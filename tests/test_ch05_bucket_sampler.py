@@ -141,7 +141,7 @@ class LenCountsAllRanks(Right):
         return len(self.steps()) * self.num_replicas
 
 
-def test_accepts_right_answer(capsys):
+def test_accepts_right_answer(capsys, no_leftover_processes):
     check_bucket_sampler(Right)
     out = capsys.readouterr().out
     assert "[PASS] 05.a bucket sampler" in out
@@ -158,7 +158,7 @@ def test_accepts_right_answer(capsys):
     (IgnoresProcessGroup, r"with num_replicas and rank left out, both ranks got the same batches"),
     (LenCountsAllRanks, r"len\(sampler\) is \d+ but iterating yields \d+ batches"),
 ])
-def test_rejects_usual_mistakes(wrong, message):
+def test_rejects_usual_mistakes(wrong, message, no_leftover_processes):
     with pytest.raises(CheckFailed, match="(?s)" + message) as info:
         check_bucket_sampler(wrong)
     assert info.value.args[0].startswith("[05.a bucket sampler]")

@@ -8,6 +8,20 @@
   exactly ``batch_size`` indices, disjoint across ranks, covering the data set but for fewer than
   one round of batches, reshuffled every epoch identically on every rank, the same number of
   batches on every rank, ``len()`` telling the truth, and little padding.
+
+Misconceptions it recognises (tests/test_ch05_bucket_sampler.py, the wrong class in brackets):
+
+- the source article's sampler: bucketing alone, every rank reads the same batches [ArticleSampler];
+- "num_replicas and rank are only needed in tests": left out, both real ranks read the same
+  batches [IgnoresProcessGroup];
+- "the shuffle is fixed once" (no ``set_epoch``) [ForgetsEpoch];
+- "each rank needs its own random seed": the shards then overlap [SeedPerRank]; Python's global
+  ``random`` used for the shuffle, which differs between processes [GlobalRandom];
+- "ranks may get a different number of batches": the ranks with fewer finish first and the
+  others wait in their next all-reduce [UnevenBatches];
+- an incomplete batch dropped in every bucket instead of once per round [DropsPerBucket];
+- ``len()`` counting the batches of all ranks [LenCountsAllRanks]; random batches, no bucketing
+  [NoBucketing]; single indices yielded instead of lists [YieldsIndices].
 """
 
 from __future__ import annotations
@@ -15,7 +29,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..checking import CheckFailed, checker, require_callable
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from ..checking import CheckFailed, checker, require_callable, run_workers
+from ..data import make_sequences
+from ..devices import backend_and_device
 
 __all__ = ["check_bucket_sampler", "padding_waste"]
 
@@ -31,8 +51,6 @@ def padding_waste(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -> f
 
 
 def _random_waste(lengths: Sequence[int], batch_size: int) -> float:
-    import torch
-
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0)).tolist()
     batches = [order[i:i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
     return padding_waste(batches, lengths)
@@ -114,7 +132,8 @@ def _judge_epoch(per_rank: list[list[list[int]]], world: int, epoch: int, n: int
                     "and then take its own share.")
     if len(set(counts)) > 1:
         raise CheckFailed(
-            f"{where}: the ranks get different numbers of batches ({', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))}). "
+            f"{where}: the ranks get different numbers of batches "
+            f"({', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))}). "
             "The ranks with fewer batches finish the epoch first, and the others wait forever in "
             "their next gradient all-reduce. Drop the last few batches so that their number is a "
             "multiple of num_replicas (or pad, as DistributedSampler does).")
@@ -131,9 +150,8 @@ def _judge_epoch(per_rank: list[list[list[int]]], world: int, epoch: int, n: int
 @checker("05.a bucket sampler")
 def check_bucket_sampler(BucketBatchSampler: Any, *, timeout: float = 120.0) -> None:
     """Check a distributed length-bucketing batch sampler class (see the module docstring)."""
-    from ..data import make_sequences
-
-    require_callable(BucketBatchSampler, "the class BucketBatchSampler(lengths, batch_size, num_replicas, rank, seed)")
+    require_callable(BucketBatchSampler,
+                     "the class BucketBatchSampler(lengths, batch_size, num_replicas, rank, seed)")
     lengths = list(make_sequences(_N, seed=1).lengths)
     for world in _WORLDS:
         epochs = [_epoch_batches(BucketBatchSampler, lengths, world, e) for e in range(_EPOCHS)]
@@ -173,11 +191,6 @@ def check_bucket_sampler(BucketBatchSampler: Any, *, timeout: float = 120.0) -> 
 
 
 def _worker(cls_bytes: bytes, lengths: list[int]) -> Any:
-    import cloudpickle
-    import torch.distributed as dist
-
-    from .. import backend_and_device
-
     backend, _ = backend_and_device(announce=False)
     dist.init_process_group(backend)
     try:
@@ -190,19 +203,15 @@ def _worker(cls_bytes: bytes, lengths: list[int]) -> Any:
 
 
 def _check_in_workers(cls: Any, lengths: list[int], timeout: float) -> None:
-    import cloudpickle
-
-    from ..workers.supervisor import WorkerTimeout, launch
-
     try:
         payload = cloudpickle.dumps(cls)
     except Exception as e:
         raise CheckFailed(f"the sampler class cannot be sent to worker processes: {e}") from None
     world = 2
-    try:
-        per_rank = launch(_worker, world, args=(payload, lengths), timeout=timeout)
-    except WorkerTimeout:
-        raise CheckFailed(f"the sampler did not finish within {timeout:g} s in worker processes") from None
+    per_rank = run_workers(_worker, world, args=(payload, lengths), timeout=timeout,
+                           hang_hint="a sampler that waits in a collective only some ranks reach "
+                                     "(the sampler needs no communication: every rank computes the "
+                                     "same shuffle from seed + epoch).")
     if set(map(tuple, per_rank[0])) == set(map(tuple, per_rank[1])):
         raise CheckFailed(
             "in 2 real worker processes, with num_replicas and rank left out, both ranks got the same "
