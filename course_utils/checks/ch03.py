@@ -245,7 +245,12 @@ def _run(fn: Callable, worlds: Sequence[int], cases: list, forbidden: Sequence[s
 # - "all_reduce is just another collective" -> "called a collective this exercise excludes".
 
 
-def _rebinding(fn: Callable, what: str = "") -> str:
+# Methods that return a view of the tensor: rebinding the name to one of them is harmless.
+_VIEWS = {"view", "view_as", "reshape", "flatten", "squeeze", "unsqueeze", "narrow", "select",
+          "transpose", "t", "permute", "expand", "as_strided", "unflatten"}
+
+
+def _rebinding(fn: Callable) -> str:
     """The source line where ``fn`` assigns to its first parameter (``tensor = tensor / n``), or ''."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
@@ -258,6 +263,10 @@ def _rebinding(fn: Callable, what: str = "") -> str:
     for node in ast.walk(tree):
         targets = node.targets if isinstance(node, ast.Assign) else (
             [node.target] if isinstance(node, ast.AnnAssign) else [])
+        value = getattr(node, "value", None)
+        if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                and value.func.attr in _VIEWS):
+            continue  # `tensor = tensor.view(-1)` still writes into the caller's storage
         for t in targets:
             if isinstance(t, ast.Name) and t.id == params[0]:
                 return ast.get_source_segment(source, node) or f"{params[0]} = ..."
