@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -205,8 +207,66 @@ def save_to_other_name(path, model, optimizer, step):
                path + ".tmp")
 
 
-def test_resumable_accepts_atomic_save_and_safe_load(capsys, no_leftover_processes):
-    check_resumable(save_right, load_right)
+def save_with_named_temp_beside(path, model, optimizer, step):
+    folder = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as f:
+        try:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step}, f)
+        except BaseException:
+            f.close()
+            os.unlink(f.name)
+            raise
+    os.replace(f.name, path)
+
+
+def save_via_system_temp(path, model, optimizer, step):
+    fd, tmp = tempfile.mkstemp(suffix=".pt")  # in /tmp, not beside `path`
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_via_system_temp_and_move(path, model, optimizer, step):
+    fd, tmp = tempfile.mkstemp(suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step}, f)
+        shutil.move(tmp, path)  # "move works across filesystems"
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_leaves_temp_on_failure(path, model, optimizer, step):
+    tmp = path + ".tmp"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
+    os.replace(tmp, path)
+
+
+def save_swallows_errors(path, model, optimizer, step):
+    tmp = path + ".tmp"
+    try:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "step": step}, tmp)
+        os.replace(tmp, path)
+    except Exception as e:  # "a failed checkpoint must not stop training"
+        print("checkpoint failed:", e)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@pytest.mark.parametrize("save", [save_right, save_with_named_temp_beside], ids=lambda f: f.__name__)
+def test_resumable_accepts_atomic_save_and_safe_load(save, capsys, no_leftover_processes):
+    check_resumable(save, load_right)
     out = capsys.readouterr().out
     assert "a crash during a save keeps the previous checkpoint" in out
     assert "final model bit-identical to the uninterrupted run's" in out
@@ -222,6 +282,11 @@ def test_resumable_accepts_atomic_save_and_safe_load(capsys, no_leftover_process
     (save_right, load_into_new_model, r"parameters after load_checkpoint differ"),
     (save_whole_objects, load_right, r"cannot be read with torch.load\(\.\.\., weights_only=True\)"),
     (save_to_other_name, load_right, r"left no file at `path`"),
+    (save_via_system_temp, load_right, r"another filesystem than the checkpoint.*EXDEV.*dir="),
+    (save_via_system_temp_and_move, load_right, r"another filesystem.*shutil\.move falls back to a "
+                                                r"copy, which is not atomic"),
+    (save_leaves_temp_on_failure, load_right, r"a save that failed left \['ckpt\.pt\.tmp'\]"),
+    (save_swallows_errors, load_right, r"save_checkpoint returned normally.*re-raise"),
     (None, load_right, r"expected save_checkpoint.*got None"),
 ])
 def test_resumable_rejects_usual_mistakes(save, load, message):

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import io
 import json
@@ -262,7 +263,7 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def _single_process_checks(save_fn: Callable, load_fn: Callable, tmp: str) -> None:
+def _single_process_checks(save_fn: Callable, load_fn: Callable, tmp: str) -> bool:
     from ..data import make_model
 
     path = os.path.join(tmp, "ckpt.pt")
@@ -315,12 +316,14 @@ def _single_process_checks(save_fn: Callable, load_fn: Callable, tmp: str) -> No
 
     # b. A crash in the middle of the next save must leave the step-7 checkpoint readable.
     opt.param_groups[0]["crash_during_save"] = _ExplodesWhenSaved()
+    raised = False
     try:
         save_fn(path, model, opt, 8)
     except Exception:
-        pass  # expected: the save failed
+        raised = True  # expected: the save failed
     finally:
         del opt.param_groups[0]["crash_during_save"]
+    left_behind = sorted(set(os.listdir(tmp)) - {"ckpt.pt"})
     try:
         torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -333,6 +336,17 @@ def _single_process_checks(save_fn: Callable, load_fn: Callable, tmp: str) -> No
     if again != 7:
         raise CheckFailed(f"after a save that crashed, load_checkpoint returned step {again}; "
                           "the previous checkpoint (step 7) should still be there, untouched")
+    if not raised:
+        raise CheckFailed(
+            "torch.save raised inside save_checkpoint (a simulated crash in the middle of the "
+            "write), but save_checkpoint returned normally: the training loop then believes step 8 "
+            "is saved. Clean up and re-raise (`except BaseException: os.unlink(tmp); raise`).")
+    if left_behind:
+        raise CheckFailed(
+            f"a save that failed left {left_behind} beside the checkpoint; every crashed save would "
+            "leave one more. Remove the temporary file when the save fails (`except "
+            "BaseException: os.unlink(tmp); raise`).")
+    other_fs = _check_other_filesystem(save_fn, model, opt)
 
     # c. weights_only: a planted file must not run code when loaded.
     planted, marker = os.path.join(tmp, "planted.pt"), os.path.join(tmp, "code_ran")
@@ -347,6 +361,52 @@ def _single_process_checks(save_fn: Callable, load_fn: Callable, tmp: str) -> No
             "loading a planted checkpoint ran the code hidden in it: load_checkpoint unpickles "
             "arbitrary objects. Load with torch.load(path, map_location=..., weights_only=True), "
             "which accepts tensors and plain containers only")
+    return other_fs
+
+
+_CROSS_FS = ("the temporary file was created on another filesystem than the checkpoint ({src} -> "
+             "{dst}). A rename cannot cross filesystems: os.replace fails with EXDEV (\"Invalid "
+             "cross-device link\"), and shutil.move falls back to a copy, which is not atomic. "
+             "Usual mistake: tempfile.NamedTemporaryFile() or mkstemp() without dir=, which puts "
+             "the file in /tmp. Create it in the checkpoint's folder: "
+             "tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path))).")
+
+
+def _check_other_filesystem(save_fn: Callable, model: torch.nn.Module, opt) -> bool:
+    """Save into a folder on another filesystem than the temp folder (/dev/shm, a tmpfs).
+
+    Returns whether this machine had such a second filesystem to try.
+    """
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or os.stat(shm).st_dev == os.stat(tempfile.gettempdir()).st_dev:
+        return False  # no second filesystem here: nothing to learn from this part
+    renames: list[tuple[str, str]] = []
+    real = {"replace": os.replace, "rename": os.rename}
+
+    def recording(name: str) -> Callable:
+        def f(src, dst, *args, **kwargs):
+            renames.append((os.fspath(src), os.fspath(dst)))
+            return real[name](src, dst, *args, **kwargs)
+        return f
+
+    with tempfile.TemporaryDirectory(prefix="check-06b-", dir=shm) as other:
+        target = os.path.join(other, "ckpt.pt")
+        os.replace, os.rename = recording("replace"), recording("rename")
+        try:
+            save_fn(target, model, opt, 9)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            src = renames[-1][0] if renames else "?"
+            raise CheckFailed(_CROSS_FS.format(src=src, dst=target)) from None
+        finally:
+            os.replace, os.rename = real["replace"], real["rename"]
+        for src, dst in renames:
+            src_dir = os.path.dirname(os.path.abspath(src))
+            dst_dir = os.path.dirname(os.path.abspath(dst))
+            if os.path.isdir(src_dir) and os.stat(src_dir).st_dev != os.stat(dst_dir).st_dev:
+                raise CheckFailed(_CROSS_FS.format(src=src, dst=dst))
+    return True
 
 
 def _resumable_worker(save_fn: Callable, load_fn: Callable, path: str, attempt: int,
@@ -430,8 +490,10 @@ def check_resumable(save_checkpoint: Callable, load_checkpoint: Callable) -> Non
     require_callable(save_checkpoint, "save_checkpoint(path, model, optimizer, step)")
     require_callable(load_checkpoint, "load_checkpoint(path, model, optimizer) -> step")
     with tempfile.TemporaryDirectory(prefix="check-06b-") as tmp:
-        _single_process_checks(save_checkpoint, load_checkpoint, tmp)
+        other_fs = _single_process_checks(save_checkpoint, load_checkpoint, tmp)
         print("  one process: model, optimizer and step restored; a crash during a save keeps "
-              "the previous checkpoint; a planted file runs no code")
+              "the previous checkpoint, raises and leaves no temporary file; a planted file runs "
+              "no code" + ("; a save onto another filesystem than the temp folder (/dev/shm) "
+                           "renames within it" if other_fs else ""))
     with tempfile.TemporaryDirectory(prefix="check-06b-") as tmp:
         _compare_resumed_run(save_checkpoint, load_checkpoint, tmp)
