@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..checking import CheckFailed, checker, diff_table, format_table, require_callable
+from ..checking import CheckFailed, checker, diff_table, format_table, require_callable, run_workers
 
 __all__ = ["check_launch_commands", "check_resumable"]
 
@@ -452,8 +452,8 @@ def _compare_resumed_run(save_fn: Callable, load_fn: Callable, tmp: str) -> None
     from ..workers.supervisor import WorkerError, launch
 
     quiet = {"OMP_NUM_THREADS": "1"}
-    ref = launch(_resumable_worker, 2, args=(save_fn, load_fn, os.path.join(tmp, "ref.pt"), 0, -1),
-                 timeout=120, env=quiet, display=None)
+    ref = run_workers(_resumable_worker, 2, args=(save_fn, load_fn, os.path.join(tmp, "ref.pt"), 0, -1),
+                      timeout=120, env=quiet)
     path = os.path.join(tmp, "resumed.pt")
     try:
         launch(_resumable_worker, 2, args=(save_fn, load_fn, path, 0, KILL_AT), timeout=120,
@@ -464,8 +464,8 @@ def _compare_resumed_run(save_fn: Callable, load_fn: Callable, tmp: str) -> None
             raise CheckFailed(f"the first attempt failed in an unexpected way:\n{e}") from None
     if not os.path.exists(path):
         raise CheckFailed("after the first attempt there is no checkpoint to resume from")
-    resumed = launch(_resumable_worker, 2, args=(save_fn, load_fn, path, 1, KILL_AT),
-                     timeout=120, env=quiet, display=None)
+    resumed = run_workers(_resumable_worker, 2, args=(save_fn, load_fn, path, 1, KILL_AT),
+                          timeout=120, env=quiet)
     last_saved = (KILL_AT // SAVE_EVERY) * SAVE_EVERY
     for rank, out in enumerate(resumed):
         if out["start"] != last_saved:
