@@ -8,9 +8,9 @@ reference computed in the same workers.
 | exercise | the learner writes | the symptom that must be gone |
 | --- | --- | --- |
 | 09.a | ``end_of_epoch(model, local_val_loss, path) -> float`` | hang: a collective inside ``if rank == 0`` |
-| 09.b | ``make_loader(dataset, batch_size, epoch) -> DataLoader`` | duplicated samples; the same order every epoch |
+| 09.b | ``make_loader(dataset, batch_size, epoch) -> DataLoader`` | duplicates; one order every epoch |
 | 09.c | ``sync_metrics(metrics) -> dict`` | collectives in different orders (wrong totals, hang) |
-| 09.d | ``train_step(model, optimizer, x, y) -> bool`` | NaN on one rank: NaN weights, or a hang from a local skip |
+| 09.d | ``train_step(model, optimizer, x, y) -> bool`` | NaN on one rank: NaN weights, or a hang |
 | 09.e | ``train_uneven(model, optimizer, batches) -> int`` | uneven inputs: hang at the last batch |
 | 09.f | ``evaluate(model, batches) -> float`` | evaluation that builds graphs (memory leak) |
 """
@@ -18,7 +18,6 @@ reference computed in the same workers.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import tempfile
 import time
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..checking import CheckFailed, checker, compare_tensors, require_callable
+from ..checking import CheckFailed, checker, close, compare_tensors, require_callable, run_workers
 
 __all__ = [
     "check_checkpoint_collective",
@@ -46,33 +45,9 @@ WORLD = 2
 # --------------------------------------------------------------------------------------------
 
 
-def _run(worker: Callable, args: tuple, *, timeout: float, hang_hint: str,
-         error_hint: str = "") -> list[Any]:
-    """``launch(worker, WORLD, args)``; hangs and crashes become a CheckFailed that says where."""
-    from ..diagnose import _first_lines, stuck_where
-    from ..workers.supervisor import WorkerError, WorkerTimeout, launch
-
-    try:
-        return launch(worker, nprocs=WORLD, args=args, timeout=timeout, display=None)
-    except WorkerTimeout as e:
-        where = "; ".join(f"rank {r} stuck {stuck_where(f.stack)}"
-                          for r, f in sorted(e.failures.items()) if f.kind == "timeout")
-        raise CheckFailed(f"your code hung: after {timeout:g} s the ranks were still running "
-                          f"({where}).\nUsual mistake: {hang_hint}") from None
-    except WorkerError as e:
-        if any(f.exc_type == "NotImplementedError" for f in e.failures.values()):
-            raise  # the checker decorator reports "not done yet"
-        lines = []
-        for r, f in sorted(e.failures.items()):
-            if f.kind == "stopped":
-                continue
-            if f.kind == "exception":
-                msg = (_first_lines(f.message, 2) or [""])
-                lines.append(f"rank {r} raised {f.exc_type}: " + " ".join(msg))
-            else:
-                lines.append(f.describe().splitlines()[0])
-        raise CheckFailed("your code failed in the workers: " + "; ".join(lines)
-                          + (f"\nUsual mistake: {error_hint}" if error_hint else "")) from None
+def _agree(a: float, b: float) -> bool:
+    """Two losses or metrics agree to 1e-5 (relative), by the harness's ``close``."""
+    return close(a, b, atol=1e-7, rtol=1e-5)
 
 
 def _number(value: Any, what: str, rank: int) -> float:
@@ -87,10 +62,6 @@ def _number(value: Any, what: str, rank: int) -> float:
         raise CheckFailed(f"rank {rank}: {what} returned a {type(value).__name__}; expected a "
                           "Python float")
     return float(value)
-
-
-def _close(a: float, b: float, rel: float = 1e-5) -> bool:
-    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
 
 
 def _states_equal(states: list[dict], what: str, hint: str) -> None:
@@ -137,18 +108,18 @@ def check_checkpoint_collective(end_of_epoch: Callable, *, timeout: float = 20.0
     """Run ``end_of_epoch(model, local_val_loss, path)`` on two ranks (losses 1.0 and 3.0)."""
     require_callable(end_of_epoch, "end_of_epoch(model, local_val_loss, path)")
     path = os.path.join(tempfile.mkdtemp(prefix="ch09a-"), "checkpoint.pt")
-    out = _run(_w_end_of_epoch, (end_of_epoch, path), timeout=timeout,
+    out = run_workers(_w_end_of_epoch, WORLD, args=(end_of_epoch, path), timeout=timeout,
                hang_hint="a collective (all_reduce inside a helper, a barrier) is called only "
                "under `if rank == 0:`; the other ranks wait elsewhere. Compute the mean on every "
                "rank, save on rank 0 only, and put the barrier after the `if`.")
     expected = sum(1.0 + 2.0 * r for r in range(WORLD)) / WORLD
     for r, o in enumerate(out):
         got = _number(o["value"], "end_of_epoch", r)
-        if not _close(got, expected):
+        if not _agree(got, expected):
             why = ("that is this rank's own loss: average it over all ranks with an all-reduce"
-                   if _close(got, 1.0 + 2.0 * r) else
+                   if _agree(got, 1.0 + 2.0 * r) else
                    "that is the sum over ranks: divide by the world size"
-                   if _close(got, expected * WORLD) else "expected the mean over all ranks")
+                   if _agree(got, expected * WORLD) else "expected the mean over all ranks")
             raise CheckFailed(f"rank {r} returned {got:g}, expected the mean validation loss "
                               f"{expected:g}; {why}")
     writers = sorted({r for o in out for r in o["saves"]})
@@ -163,7 +134,7 @@ def check_checkpoint_collective(end_of_epoch: Callable, *, timeout: float = 20.0
         raise CheckFailed("the checkpoint must be a dict with keys 'model' (the state_dict) and "
                           f"'val_loss'; got {type(ckpt).__name__} "
                           f"{sorted(ckpt) if isinstance(ckpt, dict) else ''}")
-    if not _close(float(ckpt["val_loss"]), expected):
+    if not _agree(float(ckpt["val_loss"]), expected):
         raise CheckFailed(f"the checkpoint's val_loss is {float(ckpt['val_loss']):g}, expected "
                           f"the mean over ranks {expected:g}")
     compare_tensors(out[0]["state"], ckpt["model"], atol=0.0, what="the checkpoint's weights",
@@ -217,7 +188,7 @@ def check_distributed_loader(make_loader: Callable, *, timeout: float = 20.0) ->
     """Call ``make_loader(dataset, 8, epoch)`` for epochs 0, 1, 2 on two ranks; audit the ids."""
     require_callable(make_loader, "make_loader(dataset, batch_size, epoch)")
     epochs = 3
-    out = _run(_w_epoch_loader, (make_loader, epochs), timeout=timeout,
+    out = run_workers(_w_epoch_loader, WORLD, args=(make_loader, epochs), timeout=timeout,
                hang_hint="the loader should not communicate; build it from DistributedSampler")
     for r, o in enumerate(out):
         if o["problem"]:
@@ -286,7 +257,8 @@ def check_metrics_sync(sync_metrics: Callable, *, timeout: float = 20.0) -> None
     hint = ("the ranks issued their all-reduces in different orders, or one rank had a key the "
             "other lacked and issued an extra one. Collectives match by order, not by name: agree "
             "on the keys first (dist.all_gather_object), then reduce in sorted order")
-    out = _run(_w_sync_metrics, (sync_metrics,), timeout=timeout, hang_hint=hint, error_hint=hint)
+    out = run_workers(_w_sync_metrics, WORLD, args=(sync_metrics,), timeout=timeout, hang_hint=hint,
+                      error_hint=hint)
     errors = []
     for i, case in enumerate(_METRICS):
         keys = sorted({k for d in case for k in d})
@@ -310,7 +282,7 @@ def check_metrics_sync(sync_metrics: Callable, *, timeout: float = 20.0) -> None
                 if isinstance(raw, torch.Tensor) and raw.numel() == 1:
                     raw = raw.item()
                 v = _number(raw, f"sync_metrics()[{k!r}]", r)
-                if not _close(v, expected[k]):
+                if not _agree(v, expected[k]):
                     raise CheckFailed(
                         f"rank {r}: {k} = {v:g}, expected the total {expected[k]:g} (inputs "
                         f"{case}).\nUsual mistake: {hint}")
@@ -378,7 +350,8 @@ def check_nan_skip_step(train_step: Callable, *, timeout: float = 20.0) -> None:
             "`if not torch.isfinite(loss): return False`), so its DDP all-reduce never happened "
             "and the other rank waits in backward(). Decide on all ranks together: check the "
             "gradients after backward() (DDP has made them identical), or all-reduce a flag")
-    out = _run(_w_nan_step, (train_step,), timeout=timeout, hang_hint=hang, error_hint=hang)
+    out = run_workers(_w_nan_step, WORLD, args=(train_step,), timeout=timeout, hang_hint=hang,
+                      error_hint=hang)
     expected = [s != _NAN_AT for s in range(_NAN_STEPS)]
     for r, o in enumerate(out):
         flags = o["flags"]
@@ -462,7 +435,7 @@ def _w_uneven(fn: Callable) -> dict:
 def check_uneven_join(train_uneven: Callable, *, timeout: float = 20.0) -> None:
     """Rank 0 has 5 batches, rank 1 has 3; the loop must use them all and not hang."""
     require_callable(train_uneven, "train_uneven(model, optimizer, batches)")
-    out = _run(_w_uneven, (train_uneven,), timeout=timeout,
+    out = run_workers(_w_uneven, WORLD, args=(train_uneven,), timeout=timeout,
                hang_hint="the rank with fewer batches left its loop while the other was still "
                "in DDP's gradient all-reduce. Wrap the loop in `with Join([model]):` "
                "(torch.distributed.algorithms.join)")
@@ -553,7 +526,7 @@ def _w_evaluate(fn: Callable) -> dict:
 def check_eval_no_leak(evaluate: Callable, *, timeout: float = 20.0) -> None:
     """Two ranks with uneven batches; the global mean loss, without graphs, in eval mode."""
     require_callable(evaluate, "evaluate(model, batches)")
-    out = _run(_w_evaluate, (evaluate,), timeout=timeout,
+    out = run_workers(_w_evaluate, WORLD, args=(evaluate,), timeout=timeout,
                hang_hint="every rank must take part in the same all-reduces (sum and count)")
     for r, o in enumerate(out):
         value = o["value"]
@@ -576,13 +549,13 @@ def check_eval_no_leak(evaluate: Callable, *, timeout: float = 20.0) -> None:
                       else value, "evaluate", r)
         if isinstance(value, torch.Tensor):
             _number(value, "evaluate", r)
-        if not _close(got, o["reference"]):
-            if _close(got, o["local_mean"]):
+        if not _agree(got, o["reference"]):
+            if _agree(got, o["local_mean"]):
                 why = ("that is this rank's own mean: all-reduce the sum of losses and the "
                        "number of samples, then divide")
-            elif _close(got, o["mean_of_batch_means"]):
+            elif _agree(got, o["mean_of_batch_means"]):
                 why = "that is the mean of per-batch means: weight each batch by its size"
-            elif _close(got, o["mean_of_rank_means"]):
+            elif _agree(got, o["mean_of_rank_means"]):
                 why = ("that is the mean of the ranks' means, but the ranks hold different "
                        "numbers of samples: all-reduce the sum and the count instead")
             else:
