@@ -41,6 +41,38 @@ def right(model, batches, lr):
     return model
 
 
+def right_with_a_flat_buffer(model, batches, lr):
+    # One all-reduce per step over all gradients, as DDP's buckets do.
+    world = dist.get_world_size()
+    for t in model.state_dict().values():
+        dist.broadcast(t, src=0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        grads = [p.grad for p in model.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= world
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+        opt.step()
+    return model
+
+
+def right_dividing_first(model, batches, lr):
+    world = dist.get_world_size()
+    _broadcast(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        (F.cross_entropy(model(x), y) / world).backward()  # then the sum is the mean
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+    return model
+
+
 def sums_instead_of_averaging(model, batches, lr):
     _broadcast(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -129,8 +161,10 @@ def rank0_only(model, batches, lr):
     return model
 
 
-def test_accepts_right_answer(capsys):
-    check_hand_allreduce(right)
+@pytest.mark.parametrize("answer", [right, right_with_a_flat_buffer, right_dividing_first],
+                         ids=lambda f: f.__name__)
+def test_accepts_right_answers(answer, capsys, no_leftover_processes):
+    check_hand_allreduce(answer)
     assert "[PASS] 04.a hand-written all-reduce" in capsys.readouterr().out
 
 

@@ -10,6 +10,27 @@ rank) next to torch's own ``DistributedDataParallel`` on the same data, and comp
   state at construction, start an asynchronous all-reduce per gradient from a hook *during*
   backward, and average in ``finish_gradient_synchronization()``; checked against torch DDP on the
   course model and on a model with a frozen and a shared parameter.
+
+Misconceptions 04.a recognises (tests/test_ch04_hand_allreduce.py, the wrong answer in brackets):
+
+- "all-reduce sums, and that is what DDP does" -> no division by the world size
+  [sums_instead_of_averaging];
+- "the ranks start from the same weights anyway" -> no broadcast at the start [no_initial_broadcast];
+- "averaging the loss over the ranks averages the gradients" -> the loss all-reduced before
+  backward; autograd does not differentiate through dist.all_reduce, so each rank keeps its own
+  gradient [averages_the_loss];
+- gradients all-reduced before backward (zero_grad set them to None) [all_reduce_before_backward];
+- only the weights averaged, not the biases [weights_only]; a collective under ``if rank == 0:``
+  [rank0_only]; the model not returned [forgets_return].
+Right answers written differently pass: one flat buffer per step [right_with_a_flat_buffer], the
+loss divided by the world size before backward and the gradients summed [right_dividing_first].
+
+04.b's mistakes (tests/test_ch04_mini_ddp.py): no broadcast at all [NoBroadcast] or of the
+parameters only, not the buffers [ParametersOnlyBroadcast]; summed gradients [Sums]; hooks on
+frozen parameters [HooksOnFrozen]; waiting inside the hook, so nothing overlaps backward
+[WaitsInHook]; every all-reduce started after backward [AllReduceAfterBackward]; a shared
+parameter all-reduced twice [SharedTwice]; handles of the previous step reused [KeepsOldHandles];
+no ``.module`` [NoModuleAttribute].  Accepted: the solution and a compact variant.
 """
 
 from __future__ import annotations
