@@ -10,6 +10,20 @@
   ``weights_only``), then for real: two DDP workers train, rank 1 is killed with SIGKILL
   mid-run, a second launch resumes from the checkpoint, and the final model must equal an
   uninterrupted run's.
+
+Misconceptions recognised (tests/test_ch06_checks.py, the wrong answer in brackets).
+06.a: "--nproc_per_node is the number of GPUs in the cluster" [commands_total_gpus]; "--nnodes counts
+GPUs" [commands_nnodes_is_gpus]; a rendezvous id per node [commands_id_per_node]; localhost as the
+endpoint on every node [commands_localhost_everywhere]; ``--standalone`` on a cluster
+[commands_standalone]; no restarts [commands_no_restart]; script arguments before the script
+[commands_args_before_script]; a command that is one string [commands_one_string].
+06.b: torch.save straight onto the checkpoint [save_in_place]; the model without the optimizer
+[save_model_only]; loading with weights_only=False [load_unsafe]; returning step + 1
+[load_next_step]; loading into a copy [load_into_new_model]; whole objects saved
+[save_whole_objects]; a temporary file in /tmp, renamed across filesystems [save_via_system_temp,
+save_via_system_temp_and_move]; a failed save that leaves its temporary file
+[save_leaves_temp_on_failure] or hides its error [save_swallows_errors].  Accepted: a temporary
+name beside the checkpoint, or tempfile.NamedTemporaryFile(dir=that folder).
 """
 
 from __future__ import annotations
