@@ -37,6 +37,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from .workers.errors import WorkerError
 
 __all__ = [
     "Check",
@@ -198,7 +201,6 @@ def sample_ids(batches: Iterable[Any], position: int = -1) -> list[int]:
 
 def gather_sample_ids(ids: Sequence[int], group: Any = None) -> list[list[int]]:
     """Every rank's list of sample ids, on every rank (``all_gather_object``; a collective)."""
-    import torch.distributed as dist
 
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, [int(i) for i in ids], group=group)
@@ -382,7 +384,6 @@ class NaNWatcher:
 def _group_device(group: Any = None) -> torch.device:
     """The device that collectives of ``group`` need their tensors on: this rank's GPU under
     NCCL (which has no CPU tensors), the CPU under gloo."""
-    import torch.distributed as dist
 
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -397,7 +398,6 @@ def timed_barrier(group: Any = None) -> float:
     this rank's own queued GPU work has finished; a rank with a slow GPU then "arrives" late, as it
     should, instead of arriving early and waiting for its own kernels inside the barrier.
     """
-    import torch.distributed as dist
 
     device = _group_device(group)
     if device.type == "cuda":
@@ -413,7 +413,6 @@ def barrier_waits(group: Any = None) -> list[float]:
     A collective.  Call it right after the work you suspect (a training step, a data load).
     The waits are gathered in a tensor on the group's device (the rank's GPU under NCCL).
     """
-    import torch.distributed as dist
 
     device = _group_device(group)
     wait = torch.tensor([timed_barrier(group)], dtype=torch.float64, device=device)
@@ -497,7 +496,6 @@ def explain(exc: BaseException, *, lines: int = 2, show: bool = True) -> str:
     For a rank that raised: its exception type and the first ``lines`` lines of the message.
     For a rank that was stuck at the timeout: where it was stuck (see ``stuck_where``).
     """
-    from .workers.errors import WorkerError
 
     if not isinstance(exc, WorkerError):
         text = f"{type(exc).__name__}: " + "\n".join(_first_lines(str(exc), lines))

@@ -22,6 +22,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
+import torch
+import torch.distributed as dist
+
+import course_utils
+
 __all__ = ["Result", "run_checks", "room_line", "main"]
 
 
@@ -44,17 +50,12 @@ def _python() -> Result:
 
 
 def _torch() -> Result:
-    try:
-        import torch
-    except ImportError:
-        return Result("FAIL", "torch", "not installed. Run `make lab` (or `pip install -e .`) from "
-                      "the course folder.")
+    # (Without torch, `import course_utils` itself fails: the error names the missing module.)
     cuda = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
     return Result("OK", "torch", f"{torch.__version__} ({cuda})")
 
 
 def _backends() -> Result:
-    import torch.distributed as dist
 
     if not dist.is_available():
         return Result("FAIL", "torch.distributed", "this torch build has no distributed support; "
@@ -71,7 +72,7 @@ def _backends() -> Result:
 
 def _gpus() -> Result:
     try:
-        import pynvml
+        import pynvml  # optional: NVML is only there on machines with NVIDIA drivers
     except ImportError:
         return Result("FAIL", "NVML", "the pynvml module is missing: `pip install nvidia-ml-py`.")
     try:
@@ -89,7 +90,6 @@ def _gpus() -> Result:
             names.append(f"{name if isinstance(name, str) else name.decode()} ({mem:.0f} GiB)")
     finally:
         pynvml.nvmlShutdown()
-    import torch
 
     if n and not torch.cuda.is_available():
         return Result("FAIL", "GPUs", f"NVML sees {n} GPU(s) but torch cannot use them: install a "
@@ -110,7 +110,6 @@ def _shim() -> Result:
 
 
 def _cores() -> Result:
-    import psutil
 
     cores = os.cpu_count() or 1
     mem = psutil.virtual_memory().total / 2**30
@@ -134,11 +133,8 @@ def _packages() -> Result:
 
 
 def _launch() -> Result:
-    import course_utils  # the public name, which the tests replace
 
     def all_reduce_ranks() -> float:
-        import torch
-        import torch.distributed as dist
 
         dist.init_process_group("gloo")
         t = torch.tensor([float(dist.get_rank() + 1)])
@@ -180,12 +176,8 @@ def run_checks(echo: bool = True) -> list[Result]:
     return results
 
 
-def _gpu_count() -> int | None:
-    """GPUs torch can use, or None when torch itself cannot be imported."""
-    try:
-        import torch
-    except ImportError:
-        return None
+def _gpu_count() -> int:
+    """GPUs torch can use."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -201,7 +193,6 @@ def room_line(results: list[Result], seconds: float | None = None) -> str:
     elif gpus == 1:
         gpu = "1 GPU; the two-rank demos need one GPU per rank, so they run on CPU with gloo"
     else:
-        import torch.distributed as dist
 
         gpu = (f"{gpus} GPUs with NCCL" if dist.is_nccl_available()
                else f"{gpus} GPUs but no NCCL in this torch build, so gloo on CPU")

@@ -32,6 +32,7 @@ import argparse
 import concurrent.futures
 import datetime as _dt
 import glob
+import importlib.util
 import json
 import os
 import platform
@@ -44,6 +45,8 @@ import sysconfig
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 JUPYTER_PACKAGES = ["nbclient", "nbformat", "ipykernel", "ipywidgets"]
@@ -94,7 +97,6 @@ def default_notebooks() -> list[Path]:
 
 
 def have_jupyter() -> bool:
-    import importlib.util
 
     return all(importlib.util.find_spec(m) is not None for m in ("nbclient", "nbformat", "ipykernel"))
 
@@ -144,7 +146,6 @@ def set_up(venv: Path, wheels: Path) -> Path:
     for cmd in installs:
         print("$", _q(cmd), flush=True)
         subprocess.run(cmd, check=True)
-    import torch
 
     theirs = subprocess.run([str(py), "-c", "import torch; print(torch.__version__, torch.__file__)"],
                             check=True, capture_output=True, text=True).stdout.split()
@@ -170,6 +171,7 @@ def _first_line(source: str) -> str:
 def run_one(path: Path, timeout: float, executed: Path) -> dict[str, Any]:
     """Execute one notebook in a fresh kernel; what happened, as a dict (never raises for the
     notebook's own failures)."""
+    # Not at the top: on a GPU machine without Jupyter this module first installs them.
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError

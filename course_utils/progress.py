@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import errno
+import fcntl
 import json
 import os
 import re
@@ -180,7 +181,6 @@ def load(path: Path | str | None = None, *, quiet: bool = False) -> dict:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[bool]:
     """Hold an exclusive lock on ``<path>.lock``; yields False if it could not be had in time."""
-    import fcntl
 
     lock_path = path.with_name(path.name + ".lock")
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)

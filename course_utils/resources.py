@@ -40,6 +40,8 @@ import threading
 import time
 from typing import Any
 
+import psutil
+
 __all__ = ["ResourceSampler", "gpu_summary", "nvml_available", "visible_gpus"]
 
 
@@ -57,7 +59,7 @@ def _nvml():
         if _nvml_state["ok"] is False:
             return None
         try:
-            import pynvml
+            import pynvml  # optional: NVML is only there on machines with NVIDIA drivers
         except ImportError as e:
             _nvml_state.update(ok=False, error=f"pynvml is not installed ({e})")
             return None
@@ -195,7 +197,6 @@ class ResourceSampler:
                  gpus: Any = "auto"):
         if interval <= 0:
             raise ValueError("interval must be positive (seconds between samples)")
-        import psutil
 
         self.interval = float(interval)
         self.pid = os.getpid() if pid is None else int(pid)
@@ -228,7 +229,6 @@ class ResourceSampler:
     def start(self) -> ResourceSampler:
         if self._thread is not None:
             raise RuntimeError("this ResourceSampler is already running")
-        import psutil
 
         psutil.cpu_percent(None)  # prime the machine-wide counter
         self._t0 = time.monotonic()
@@ -267,7 +267,6 @@ class ResourceSampler:
                     return
 
     def _tree(self) -> list[Any]:
-        import psutil
 
         try:
             procs = [self._root] + (self._root.children(recursive=True) if self.children else [])
@@ -281,7 +280,6 @@ class ResourceSampler:
         return list(live.values())
 
     def _sample(self) -> None:
-        import psutil
 
         cpu = 0.0
         rss = 0
@@ -346,7 +344,7 @@ class ResourceSampler:
         GPU curves when GPUs were sampled, else the CPU curves of the watched process tree (and
         the machine's total CPU use, dotted, since other programs share the CPU).
         """
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # slow to import: only when a plot is drawn
 
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3.2))

@@ -14,7 +14,9 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "course_utils"
 # Imported lazily, where used, because the course runs without them or they are slow to import.
-OPTIONAL = ("IPython", "ipywidgets", "pynvml", "matplotlib")
+OPTIONAL = ("IPython", "ipywidgets", "pynvml", "matplotlib",
+            # gpu_check starts on GPU machines without Jupyter and installs these itself
+            "nbformat", "nbclient")
 # Imports inside a function that are the point of the function.
 DELIBERATE = {("course_utils.workarounds", "torch._dynamo")}
 

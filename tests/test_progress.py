@@ -75,7 +75,7 @@ def test_checkers_record_pass_and_fail_and_the_table_shows_all_exercises(pfile, 
     out = capsys.readouterr().out
     assert f"Course progress ({pfile})" in out
     assert "1 of 4 passed, 1 failed, 2 not tried" in out
-    line = next(l for l in out.splitlines() if l.startswith("01.a training step"))
+    line = next(ln for ln in out.splitlines() if ln.startswith("01.a training step"))
     assert line.split()[3:6] == ["passed", "3", "failed"]
 
 

@@ -43,8 +43,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.run import get_args_parser
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..checking import CheckFailed, checker, diff_table, format_table, require_callable, run_workers
+from ..data import make_dataset, make_model
+from ..devices import backend_and_device
+from ..workers.commands import run_commands
+from ..workers.supervisor import WorkerError, free_port, launch
 
 __all__ = ["check_launch_commands", "check_resumable"]
 
@@ -75,7 +83,6 @@ dist.destroy_process_group()
 
 
 def _torchrun_parser():
-    from torch.distributed.run import get_args_parser
 
     return get_args_parser()
 
@@ -167,8 +174,6 @@ def _static_checks(cmds: Any, master_addr: str, port: int, job_id: str, script: 
 @checker("06.a launch commands")
 def check_launch_commands(make_commands: Callable[..., dict]) -> None:
     require_callable(make_commands, "make_commands(master_addr, port, job_id, script, script_args)")
-    from ..workers.commands import run_commands
-    from ..workers.supervisor import free_port
 
     # 1. The cluster of the exercise, read by torchrun's parser.
     args = ["--steps", "100"]
@@ -254,7 +259,6 @@ def _planted_checkpoint(path: str, marker: str) -> None:
 
 
 def _train_some(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    from ..data import make_dataset
 
     x, y = make_dataset(256, seed=seed).tensors
     for s in range(steps):
@@ -278,7 +282,6 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _single_process_checks(save_fn: Callable, load_fn: Callable, tmp: str) -> bool:
-    from ..data import make_model
 
     path = os.path.join(tmp, "ckpt.pt")
     model = make_model(seed=1)
@@ -426,12 +429,7 @@ def _check_other_filesystem(save_fn: Callable, model: torch.nn.Module, opt) -> b
 def _resumable_worker(save_fn: Callable, load_fn: Callable, path: str, attempt: int,
                       kill_at: int) -> dict:
     """Train the course model with DDP; rank 1 dies at ``kill_at`` in attempt 0."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..data import make_dataset, make_model
-    from ..devices import backend_and_device
 
     backend, device = backend_and_device(announce=False)
     dist.init_process_group(backend)
@@ -463,7 +461,6 @@ def _resumable_worker(save_fn: Callable, load_fn: Callable, path: str, attempt: 
 
 def _compare_resumed_run(save_fn: Callable, load_fn: Callable, tmp: str) -> None:
     """Uninterrupted run vs. a run whose rank 1 is killed and then resumed."""
-    from ..workers.supervisor import WorkerError, launch
 
     quiet = {"OMP_NUM_THREADS": "1"}
     ref = run_workers(_resumable_worker, 2, args=(save_fn, load_fn, os.path.join(tmp, "ref.pt"), 0, -1),

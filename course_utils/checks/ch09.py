@@ -25,8 +25,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..checking import CheckFailed, checker, close, compare_tensors, require_callable, run_workers
+from ..data import make_dataset, make_model
+from ..diagnose import IndexedDataset, check_duplicates, sample_ids
 
 __all__ = [
     "check_checkpoint_collective",
@@ -76,9 +82,7 @@ def _states_equal(states: list[dict], what: str, hint: str) -> None:
 
 
 def _w_end_of_epoch(fn: Callable, path: str) -> dict:
-    import torch.distributed as dist
 
-    from ..data import make_model
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -155,10 +159,7 @@ _BATCH = 8
 
 
 def _w_epoch_loader(fn: Callable, epochs: int) -> dict:
-    import torch.distributed as dist
 
-    from ..data import make_dataset
-    from ..diagnose import IndexedDataset, check_duplicates, sample_ids
 
     dist.init_process_group("gloo")
     torch.manual_seed(dist.get_rank())  # ranks seed differently, as most scripts do
@@ -233,7 +234,6 @@ _METRICS = [
 
 
 def _w_sync_metrics(fn: Callable) -> list:
-    import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -299,7 +299,6 @@ _NAN_AT = 1
 
 
 def _nan_batches(rank: int) -> list:
-    from ..data import make_dataset
 
     X, Y = make_dataset(16 * _NAN_STEPS, seed=10 + rank).tensors
     batches = []
@@ -312,11 +311,7 @@ def _nan_batches(rank: int) -> list:
 
 
 def _w_nan_step(fn: Callable) -> dict:
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..data import make_model
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -389,7 +384,6 @@ def check_nan_skip_step(train_step: Callable, *, timeout: float = 20.0) -> None:
 
 
 def _uneven_batches(rank: int) -> list:
-    from ..data import make_dataset
 
     X, Y = make_dataset(16 * 5, seed=20 + rank).tensors
     n = 5 if rank == 0 else 3
@@ -397,12 +391,7 @@ def _uneven_batches(rank: int) -> list:
 
 
 def _w_uneven(fn: Callable) -> dict:
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.algorithms.join import Join
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..data import make_model
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -462,7 +451,6 @@ def check_uneven_join(train_uneven: Callable, *, timeout: float = 20.0) -> None:
 
 
 def _eval_batches(rank: int) -> list:
-    from ..data import make_dataset
 
     X, Y = make_dataset(64, seed=30 + rank).tensors
     sizes = [16, 16, 16] if rank == 0 else [16, 5]  # uneven: a plain mean of means is wrong
@@ -474,10 +462,7 @@ def _eval_batches(rank: int) -> list:
 
 
 def _w_evaluate(fn: Callable) -> dict:
-    import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from ..data import make_model
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

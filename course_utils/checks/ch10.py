@@ -25,6 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..checking import (
     CheckFailed,
@@ -37,6 +41,8 @@ from ..checking import (
     require_callable,
     run_workers,
 )
+from ..data import make_dataset, make_model
+from ..devices import backend_and_device
 
 __all__ = ["check_bucketed_ddp", "check_sharded_optimizer", "check_comm_prediction", "measured_rounds",
            "MISCONCEPTIONS", "ring_factor", "fit_alpha_beta", "allreduce_seconds"]
@@ -118,7 +124,6 @@ def _equal_layers(seed: int) -> torch.nn.Module:
 
 def _a_cases(rank: int) -> list[tuple[str, torch.nn.Module, float]]:
     """(name, this rank's model (different on each rank), bucket cap in MiB)."""
-    from ..data import make_model
 
     course = make_model(seed=500 + rank, norm=True)
     with torch.no_grad():
@@ -129,7 +134,6 @@ def _a_cases(rank: int) -> list[tuple[str, torch.nn.Module, float]]:
 
 
 def _batches(steps: int, per_rank: int, rank: int, world: int) -> list:
-    from ..data import make_dataset
 
     x, y = make_dataset(per_rank * world * steps, seed=10).tensors
     return [(x[s * per_rank * world:(s + 1) * per_rank * world][rank::world],
@@ -177,8 +181,6 @@ class _Spy:
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self.ready.append(i))
 
     def install(self) -> None:
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
 
         real, spy = c10d.all_reduce, self
 
@@ -213,14 +215,11 @@ class _Spy:
 
 def _ddp_reference(init: torch.nn.Module, batches: list) -> tuple[list[dict], dict]:
     """Torch DDP with AdamW: the gradients of each step and the final parameters."""
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     flag = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
             else "broadcast_buffers")
     ddp = DDP(copy.deepcopy(init), **{flag: False})
     if flag == "broadcast_buffers":  # older torch: False also skips the broadcast at construction
-        import torch.distributed as dist
         for b in ddp.module.buffers():
             dist.broadcast(b, src=0)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
@@ -237,8 +236,6 @@ def _ddp_reference(init: torch.nn.Module, batches: list) -> tuple[list[dict], di
 
 
 def _bucketed_worker(cls: Any) -> Outcome:
-    import torch.distributed as dist
-    import torch.nn.functional as F
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -434,7 +431,6 @@ _B_LR2 = 5e-3
 
 
 def _b_cases() -> list[tuple[str, torch.nn.Module]]:
-    from ..data import make_model
 
     return [("course model", make_model(seed=600)), ("tied weights", TiedAndFrozen(610))]
 
@@ -477,10 +473,7 @@ def _adamw_variant(init: torch.nn.Module, x, y, k: int, **kw) -> list[dict]:
 
 
 def _sharded_worker(cls: Any) -> Outcome:
-    import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from ..data import make_dataset
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -621,9 +614,7 @@ def allreduce_seconds(sizes: list[int], groups: list[list[int]] = (), rounds: in
     The sizes and the groups are timed in turn within each of ``rounds`` rounds, so that a change
     of load on a shared machine touches both alike; returns each round's times (the slowest rank's
     is what a caller should use)."""
-    import torch.distributed as dist
 
-    from ..devices import backend_and_device
 
     backend, device = backend_and_device(announce=False)
     if not dist.is_initialized():
