@@ -36,6 +36,7 @@ Needs Linux, root, the ``ip`` tool, ``unshare``, and the Debian packages ``slurm
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import ctypes
@@ -464,7 +465,11 @@ def local_cluster(timeout: float = 30.0):
         cluster.stop()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        prog="python -m course_utils.slurm_cluster",
+        description="Start a throwaway two-node Slurm cluster on this machine (root, slurm-wlm and "
+                    "munge needed); Ctrl-C stops it and removes everything it made.").parse_args(argv)
     reason = unavailable_reason()
     if reason:
         sys.exit(f"cannot start a local Slurm cluster: {reason}")
