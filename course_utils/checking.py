@@ -45,6 +45,7 @@ __all__ = [
     "state_to_cpu",
     "wrap_ddp",
     "as_tensor",
+    "as_float",
     "require_callable",
 ]
 
@@ -117,6 +118,15 @@ def as_tensor(value: Any, name: str, *, like: torch.Tensor | None = None) -> tor
         if value.dtype != like.dtype:
             raise CheckFailed(f"{name}: expected dtype {like.dtype}, got {value.dtype}")
     return value
+
+
+def as_float(value: Any) -> Any:
+    """A learner's returned number as a float, or ``("not a number", type name)`` to report."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach().cpu())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return ("not a number", type(value).__name__)
 
 
 def diff_table(

@@ -46,7 +46,6 @@ import gc
 import inspect
 import math
 import traceback
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,6 +54,7 @@ import torch.nn.functional as F
 from ..checking import (
     CheckFailed,
     Outcome,
+    as_float,
     checker,
     close,
     compare_tensors,
@@ -83,14 +83,6 @@ def _micro_batches(step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tenso
     B = MICRO * WORLD * K
     idx = torch.arange(step * B, (step + 1) * B).view(K, WORLD, MICRO)[:, rank]
     return [(X[i], Y[i]) for i in idx]
-
-
-def _as_float(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.detach().cpu())
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return ("not a number", type(value).__name__)
 
 
 class _Probe:
@@ -171,7 +163,7 @@ def _run_answer(fn, rank: int, device: torch.device) -> dict:
             steps.append({
                 "reduces": list(probe.reduces), "by_hand": probe.by_hand, "opt_steps": probe.steps,
                 "no_sync": probe.no_sync_entered, "unsynced": probe.forwards_unsynced,
-                "forwards": probe.forwards, "returned": _as_float(ret),
+                "forwards": probe.forwards, "returned": as_float(ret),
                 "grads": probe.grads_at_step, "params": state_to_cpu(model),
                 "momentum": {n: opt.state[p]["momentum_buffer"].detach().cpu().clone()
                              for n, p in model.module.named_parameters()

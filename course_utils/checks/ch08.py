@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from ..checking import (
     CheckFailed,
     Outcome,
+    as_float,
     checker,
     close,
     compare_tensors,
@@ -183,14 +184,6 @@ class _Recorder:
             setattr(owner, name, real)
 
 
-def _as_float(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.detach().cpu())
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return ("not a number", type(value).__name__)
-
-
 def _setup(device: torch.device):
     model = wrap_ddp(make_model(0), device)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -221,7 +214,7 @@ def _run(fn, dtype_name: str, rank: int, device: torch.device, reference: bool) 
             ret = (_reference_step if reference else fn)(model, opt, scaler, x, y, max_norm=MAX_NORM,
                                                          amp_dtype=amp_dtype)
             steps.append({"params": state_to_cpu(model), "momentum": _momentum(opt, model),
-                          "scale": scaler.get_scale(), "returned": _as_float(ret),
+                          "scale": scaler.get_scale(), "returned": as_float(ret),
                           "dtypes": list(seen), "events": [] if rec is None else list(rec.events),
                           "deprecated": [] if rec is None else list(rec.deprecated)})
             if rec is not None and "allreduce" not in rec.events and seen:
