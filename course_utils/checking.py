@@ -213,7 +213,8 @@ def first_problem(outcomes: Sequence[Any]) -> None:
 # Messages that one rank's failure causes on its peers: the root cause is elsewhere.
 _ECHO = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|Connection refused|ECONNRESET|EPIPE|"
-    r"recvBytes|Socket Timeout|Timed out waiting|Application timeout caused pair closure",
+    r"recvBytes|Socket Timeout|Timed out waiting|Application timeout caused pair closure|"
+    r"Check the logs of the remote worker|pair\.cc",
     re.IGNORECASE,
 )
 # Frames of the checker and of the launcher: the learner cannot act on them.

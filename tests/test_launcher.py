@@ -241,7 +241,13 @@ def _wait_gone(pids: list[int], port: int, limit: float = 15.0) -> None:
 def test_keyboard_interrupt_stops_every_worker_and_frees_the_port(tmp_path):
     proc, pids, port = _start_driver(tmp_path)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # never leave the driver (and its workers) to the next test
+            proc.kill()
+            proc.wait()
+            _wait_gone(pids, port)
     assert proc.returncode == 7 and "interrupted" in out
     _wait_gone(pids, port)
 
