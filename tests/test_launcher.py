@@ -207,12 +207,19 @@ _DRIVER = textwrap.dedent("""
 """)
 
 
+def _default_sigint() -> None:
+    """In the driver: Ctrl-C as in a fresh kernel, whatever this test process inherited or blocked
+    (a SIGINT ignored or blocked here would be ignored by the driver too, and the test would hang)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _start_driver(tmp_path: Path) -> tuple[subprocess.Popen, list[int], int]:
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER)
     marker = str(tmp_path / "pid")
     proc = subprocess.Popen([sys.executable, str(script), marker], stdout=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 60
     files = [Path(f"{marker}.{r}") for r in (0, 1)]
     while not all(f.exists() and f.read_text() for f in files):
