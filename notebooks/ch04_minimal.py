@@ -24,6 +24,8 @@ from course_utils.data import make_dataset, make_model, split
 def train(rank, world_size, epochs=2, batch_size=32, lr=0.05):
     # (1) Join the process group, with one device per process.  LOCAL_RANK (the rank on this
     #     machine) picks the GPU: on a second machine, RANK would name a GPU that machine lacks.
+    #     mp.spawn sets no LOCAL_RANK, but it starts every process on this one machine, where the
+    #     rank it passes is the local rank.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # processes on this machine
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))

@@ -85,8 +85,9 @@ def setup(timeout):
     """Bind the device from LOCAL_RANK first, then join the group (env:// from the launcher)."""
     if "RANK" not in os.environ:  # plain `python ch06_train.py`: train alone
         return torch.device("cuda" if torch.cuda.is_available() else "cpu"), False
-    backend, device = course_utils.backend_and_device(announce=False)  # set_device(LOCAL_RANK)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    backend, device = course_utils.backend_and_device()  # set_device(LOCAL_RANK)
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
+                            timeout=datetime.timedelta(seconds=timeout))
     return device, True
 
 

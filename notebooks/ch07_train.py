@@ -66,10 +66,10 @@ def train(*, accum_steps=4, micro_batch=16, base_lr=0.05, base_batch=32, scale_l
     same whatever the split.  The loss on the whole data set is recorded every ``eval_every``
     samples.  Joins the process group if one exists, else creates (and later destroys) it.
     """
-    backend, device = course_utils.backend_and_device(announce=False)
+    backend, device = course_utils.backend_and_device()
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     X, Y = (t.to(device) for t in make_dataset(n).tensors)
     model = DDP(make_model(seed).to(device),

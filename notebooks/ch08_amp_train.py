@@ -33,10 +33,10 @@ def train(*, amp_dtype="float16", steps=8, batch=64, lr=0.1, max_norm=1.0, init_
     its input, which makes its loss and gradients NaN.  ``sync=False`` runs every backward in
     ``no_sync()`` (no all-reduce), to show what the all-reduce contributes to the skip decision.
     """
-    backend, device = course_utils.backend_and_device(announce=False)
+    backend, device = course_utils.backend_and_device()
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = None if amp_dtype == "float32" else getattr(torch, amp_dtype)
     X, Y = (t.to(device) for t in make_dataset(steps * batch * world, seed=seed + 1).tensors)

@@ -34,8 +34,8 @@ def _timed_steps(model, x, y, steps, sync):
 def ddp_comm_per_step(caps_mb, hidden=512, batch=64, steps=8):
     """Worker: for each bucket cap, torch DDP's buckets (bytes) and its step time with and without
     communication (``no_sync``).  The difference is the communication DDP did not hide."""
-    backend, device = backend_and_device(announce=False)
-    dist.init_process_group(backend)
+    backend, device = backend_and_device()
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x, y = make_dataset(batch * 4, seed=3).tensors
     x, y = x[dist.get_rank()::4][:batch].to(device), y[dist.get_rank()::4][:batch].to(device)

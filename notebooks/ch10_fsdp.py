@@ -44,8 +44,8 @@ def _train(model, opt, batches):
 
 
 def memory_and_comm(hidden=512, steps=3, batch=32):
-    backend, device = backend_and_device(announce=False)
-    dist.init_process_group(backend)
+    backend, device = backend_and_device()
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = make_dataset(batch * world * steps, seed=4).tensors
     batches = [(x[s * batch * world:(s + 1) * batch * world][rank::world].to(device),

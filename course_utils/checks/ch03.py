@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ..checking import CheckFailed, checker, learner_frames, require_callable, run_workers
-from ..devices import backend_and_device
+from ..devices import backend_and_device, process_group_kwargs
 from ..workers.errors import RankFailure
 
 __all__ = ["check_all_reduce_mean", "check_ring_all_reduce", "ForbiddenCollective"]
@@ -114,8 +114,8 @@ def _make_input(shape: tuple, dtype_name: str, seed: int) -> torch.Tensor:
 
 def _run_cases(fn: Callable, cases: list, forbidden: Sequence[str], mean: bool) -> list[dict]:
     """Worker: run ``fn`` on every case; return what each rank had before and after."""
-    backend, device = backend_and_device(announce=False)
-    dist.init_process_group(backend)
+    backend, device = backend_and_device()
+    dist.init_process_group(**process_group_kwargs(backend, device))
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
     try:

@@ -57,7 +57,7 @@ from ..checking import (
     wrap_ddp,
 )
 from ..data import make_dataset, make_model, split
-from ..devices import backend_and_device
+from ..devices import backend_and_device, process_group_kwargs
 
 __all__ = ["check_hand_allreduce", "check_mini_ddp"]
 
@@ -136,8 +136,8 @@ def _sgd_variant(model, batches, lr, *, broadcast: bool, sync: str):
 def _hand_allreduce_worker(train_fn: Callable) -> dict:
 
 
-    backend, device = backend_and_device(announce=False)
-    dist.init_process_group(backend)
+    backend, device = backend_and_device()
+    dist.init_process_group(**process_group_kwargs(backend, device))
     try:
         rank = dist.get_rank()
         batches = _rank_batches(_A_STEPS, _A_BATCH, device)
@@ -443,8 +443,8 @@ def _mini_ddp_case(cls: Any, case: str, init: torch.nn.Module, batches: list, de
 def _mini_ddp_worker(cls_bytes: bytes) -> list[dict]:
 
 
-    backend, device = backend_and_device(announce=False)
-    dist.init_process_group(backend)
+    backend, device = backend_and_device()
+    dist.init_process_group(**process_group_kwargs(backend, device))
     spy = _Spy()
     spy.install()  # before the learner's module is imported, so that every call is seen
     out: list[dict] = []

@@ -191,7 +191,7 @@ def check_bucket_sampler(BucketBatchSampler: Any, *, timeout: float = 120.0) -> 
 
 
 def _worker(cls_bytes: bytes, lengths: list[int]) -> Any:
-    backend, _ = backend_and_device(announce=False)
+    backend, _ = backend_and_device()
     dist.init_process_group(backend)
     try:
         cls = cloudpickle.loads(cls_bytes)

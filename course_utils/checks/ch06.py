@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..checking import CheckFailed, checker, diff_table, format_table, require_callable, run_workers
 from ..data import make_dataset, make_model
-from ..devices import backend_and_device
+from ..devices import backend_and_device, process_group_kwargs
 from ..workers.commands import run_commands
 from ..workers.supervisor import WorkerError, free_port, launch
 
@@ -431,8 +431,8 @@ def _resumable_worker(save_fn: Callable, load_fn: Callable, path: str, attempt: 
     """Train the course model with DDP; rank 1 dies at ``kill_at`` in attempt 0."""
 
 
-    backend, device = backend_and_device(announce=False)
-    dist.init_process_group(backend)
+    backend, device = backend_and_device()
+    dist.init_process_group(**process_group_kwargs(backend, device))
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(seed=0).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)

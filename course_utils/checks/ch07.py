@@ -66,7 +66,7 @@ from ..checking import (
     wrap_ddp,
 )
 from ..data import make_dataset, make_model
-from ..devices import backend_and_device
+from ..devices import backend_and_device, process_group_kwargs
 from ..monitor import report
 
 __all__ = ["check_accumulation_step", "check_scaled_lr", "accumulation_verdicts"]
@@ -186,7 +186,7 @@ def _accumulation_worker(fns: list, catch: bool) -> Outcome:
     ``accumulation_verdicts``); without it, the exception reaches ``run_workers``.
     """
     backend, device = backend_and_device()
-    dist.init_process_group(backend)
+    dist.init_process_group(**process_group_kwargs(backend, device))
     rank = dist.get_rank()
     answers = []
     try:

@@ -62,7 +62,7 @@ from ..checking import (
     wrap_ddp,
 )
 from ..data import make_dataset, make_model
-from ..devices import backend_and_device
+from ..devices import backend_and_device, process_group_kwargs
 from ..monitor import report
 
 __all__ = ["check_amp_step", "amp_verdicts", "deprecated_amp_calls"]
@@ -233,7 +233,7 @@ def _run(fn, dtype_name: str, rank: int, device: torch.device, reference: bool) 
 def _amp_worker(fns: list, dtype_names: list[str], catch: bool) -> Outcome:
     """Runs on every rank: per dtype, the reference and each answer on fresh DDP models."""
     backend, device = backend_and_device()
-    dist.init_process_group(backend)
+    dist.init_process_group(**process_group_kwargs(backend, device))
     rank = dist.get_rank()
     data: dict = {"ref": {}, "answers": [{} for _ in fns], "device": device.type}
     try:

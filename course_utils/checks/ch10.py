@@ -42,7 +42,7 @@ from ..checking import (
     run_workers,
 )
 from ..data import make_dataset, make_model
-from ..devices import backend_and_device
+from ..devices import backend_and_device, process_group_kwargs
 
 __all__ = ["check_bucketed_ddp", "check_sharded_optimizer", "check_comm_prediction", "measured_rounds",
            "MISCONCEPTIONS", "ring_factor", "fit_alpha_beta", "allreduce_seconds"]
@@ -616,9 +616,9 @@ def allreduce_seconds(sizes: list[int], groups: list[list[int]] = (), rounds: in
     is what a caller should use)."""
 
 
-    backend, device = backend_and_device(announce=False)
+    backend, device = backend_and_device()
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(**process_group_kwargs(backend, device))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tensors = {s: torch.zeros(max(s // 4, 1), device=device) for g in [sizes, *groups] for s in g}
 
