@@ -57,7 +57,7 @@ __all__ = ["record", "load", "progress_file", "known_exercises", "rows", "table"
 SCHEMA = 1
 LOCK_TIMEOUT_S = 10.0
 
-_PKG = Path(__file__).resolve().parent
+_PKG = Path(__file__).resolve().parent.parent  # course_utils/
 
 
 class ProgressWarning(UserWarning):
@@ -576,7 +576,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         show(args.file)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
