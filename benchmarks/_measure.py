@@ -1,9 +1,9 @@
 """Shared by the classroom benchmarks: run one notebook headless, sampling its whole process tree.
 
 ``run_notebook(path)`` executes a notebook with ``jupyter nbconvert --execute`` (the executed copy
-goes to a temporary folder; the notebook itself is never written) while a thread samples, every
-``interval`` seconds, the CPU use and memory of the nbconvert process, its kernel and every worker
-the kernel starts.  nbconvert plus the kernel stands in for what one learner runs on a server: a
+goes to a temporary folder, and over ``save_to`` only when asked and every cell ran) while a thread
+samples, every ``interval`` seconds, the CPU use and memory of the nbconvert process, its kernel and
+every worker the kernel starts.  nbconvert plus the kernel stands in for what one learner runs on a server: a
 Jupyter server process plus a kernel.
 
 Memory is recorded two ways: the sum of RSS over the tree (pages shared between forked workers are
@@ -115,8 +115,11 @@ def copy_course(dest: Path) -> None:
 
 
 def run_notebook(path: Path, *, timeout: int = 600, interval: float = 0.25,
-                 env: dict | None = None) -> dict:
-    """Execute one notebook headless; wall time, resource peaks, and what its outputs show."""
+                 env: dict | None = None, save_to: Path | None = None) -> dict:
+    """Execute one notebook headless; wall time, resource peaks, and what its outputs show.
+
+    With ``save_to``, a run in which every cell ran writes the executed notebook there.
+    """
     out_dir = Path(tempfile.mkdtemp(prefix="nbrun-"))
     try:
         cmd = [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
@@ -145,6 +148,8 @@ def run_notebook(path: Path, *, timeout: int = 600, interval: float = 0.25,
                     text = "".join(text) if isinstance(text, list) else text
                     passes += len(re.findall(r"^\[PASS\]", text, re.M))
         result["pass_lines"] = passes
+        if save_to is not None and result["ok"] and executed.exists():
+            shutil.copyfile(executed, save_to)
         if not result["ok"]:
             log = re.sub(r"\x1b\[[0-9;]*m", "", log)  # colour codes of the traceback
             lines = [ln for ln in log.splitlines() if ln.strip()]

@@ -1,11 +1,11 @@
 """Print the Markdown table of time per chapter that INSTRUCTORS.md embeds, from chapter_times.json.
 
-    python benchmarks/chapter_table.py [--json benchmarks/results/chapter_times.json]
+    python benchmarks/chapter_table.py [--json benchmarks/results/chapter_times.json] [--write]
 
 Machine times are measured (``benchmarks/chapter_times.py``); reading times are an estimate from
 the notebooks' length: Markdown words at 200 words a minute plus code at 20 lines a minute,
 rounded up to 5 minutes.  ``tests/test_instructors.py`` checks that INSTRUCTORS.md holds exactly
-this table, so after re-running the measurement, paste the new table in.
+this table: after re-running the measurement, ``--write`` puts the new table in.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 DEFAULT = Path(__file__).resolve().parent / "results" / "chapter_times.json"
+GUIDE = Path(__file__).resolve().parent.parent / "INSTRUCTORS.md"
+BEGIN, END = "<!-- chapter-times:begin -->\n", "\n<!-- chapter-times:end -->"
 WORDS_PER_MIN, CODE_LINES_PER_MIN = 200, 20
 
 
@@ -56,8 +58,16 @@ def table(data: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=DEFAULT)
+    ap.add_argument("--write", action="store_true", help=f"replace the table in {GUIDE.name}")
     a = ap.parse_args(argv)
-    print(table(json.loads(a.json.read_text(encoding="utf-8"))))
+    text = table(json.loads(a.json.read_text(encoding="utf-8")))
+    if not a.write:
+        print(text)
+        return 0
+    guide = GUIDE.read_text(encoding="utf-8")
+    head, rest = guide.split(BEGIN, 1)
+    GUIDE.write_text(head + BEGIN + text + END + rest.split(END, 1)[1], encoding="utf-8")
+    print(f"{GUIDE.name}: table replaced")
     return 0
 
 

@@ -3,9 +3,14 @@
     python benchmarks/chapter_times.py --note "quiet 2-core VM, nothing else running"
     python benchmarks/chapter_times.py notebooks/04_ddp.ipynb --out /tmp/ch04.json
     python benchmarks/chapter_table.py        # the Markdown table INSTRUCTORS.md embeds
+    python benchmarks/chapter_times.py --record --quiet-wait 120   # what `make notebooks` runs
 
 Each notebook is executed headless (``jupyter nbconvert --execute``) one after the other, from a
 temporary copy of ``notebooks/`` and ``solutions/``, so nothing in the course folder changes.
+``--record`` instead runs them where they are and writes each executed notebook back over its
+source when every cell ran: the committed outputs and the chapter times then come from the same
+run.  ``--quiet-wait S`` checks before each notebook that nothing else keeps the machine busy
+(``benchmarks/quiet.py``), waiting up to S seconds, and stops otherwise.
 For each it records the wall time, whether every cell ran, the peak and mean CPU use (in cores)
 and the peak memory (sum of RSS and sum of PSS, MiB) of the whole process tree: nbconvert, the
 kernel and every worker process.  It also records what reading time is estimated from: the words
@@ -20,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 import _measure
+import quiet
 
 DEFAULT_OUT = _measure.ROOT / "benchmarks" / "results" / "chapter_times.json"
 
@@ -37,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", default="", help="where and under what load this was measured")
     ap.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    ap.add_argument("--record", action="store_true",
+                    help="run in the course folder and write the executed notebooks back")
+    ap.add_argument("--quiet-wait", type=float, default=None, metavar="S",
+                    help="before each notebook, wait up to S seconds for a quiet machine, else stop")
     a = ap.parse_args(argv)
     wanted = [p.resolve() for p in a.notebooks] or sorted(
         list((_measure.ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -47,10 +58,16 @@ def main(argv: list[str] | None = None) -> int:
               "machine": _measure.machine(), "notebooks": {}}
     failed = 0
     with tempfile.TemporaryDirectory(prefix="chapter-times-") as tmp:
-        _measure.copy_course(Path(tmp))
+        if not a.record:
+            _measure.copy_course(Path(tmp))
         for src in wanted:
             rel = f"{src.parent.name}/{src.name}"
-            run = _measure.run_notebook(Path(tmp) / rel, timeout=a.timeout, interval=a.interval)
+            if a.quiet_wait is not None and quiet.main(["--wait", str(a.quiet_wait),
+                                                        "--root", str(os.getpid())]):
+                return 1
+            where = src if a.record else Path(tmp) / rel
+            run = _measure.run_notebook(where, timeout=a.timeout, interval=a.interval,
+                                        save_to=src if a.record else None)
             run.update(_measure.notebook_facts(src))
             result["notebooks"][rel] = run
             failed += not run["ok"]

@@ -8,7 +8,8 @@ solution notebooks one after the other, all learners at once, as a room does in 
 of a workshop.  It records, per learner and notebook, whether every cell ran and how many
 ``[PASS]`` lines the checkers printed, and the wall time of the whole round.  Results go to
 ``benchmarks/results/room_simulation.json``; ``--markdown`` prints the summary docs/jupyterhub.md
-quotes.  Scaling to a bigger server from these numbers is an extrapolation, and says so.
+quotes, and ``--write`` puts it there.  Scaling to a bigger server from these numbers is an
+extrapolation, and says so.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import _measure
 
 DEFAULT_OUT = _measure.ROOT / "benchmarks" / "results" / "room_simulation.json"
 CHAPTER_TIMES = _measure.ROOT / "benchmarks" / "results" / "chapter_times.json"
+PAGE = _measure.ROOT / "docs" / "jupyterhub.md"
+BEGIN, END = "<!-- room-simulation:begin -->\n", "\n<!-- room-simulation:end -->"
 DEFAULT_NOTEBOOKS = ["solutions/01_single_device.ipynb", "solutions/03_collectives.ipynb",
                      "solutions/04_ddp.ipynb"]
 
@@ -93,6 +96,14 @@ def sizing(room: dict, chapters: dict, server_cores: int = 16, server_gib: int =
         f"{machine_cores}-core machine, not a measurement on the server."])
 
 
+def write_page(text: str) -> None:
+    """Replace the summary between the room-simulation markers of docs/jupyterhub.md."""
+    page = PAGE.read_text(encoding="utf-8")
+    head, rest = page.split(BEGIN, 1)
+    PAGE.write_text(head + BEGIN + text + END + rest.split(END, 1)[1], encoding="utf-8")
+    print(f"{PAGE.name}: summary replaced")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("notebooks", nargs="*", default=DEFAULT_NOTEBOOKS)
@@ -101,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--markdown", action="store_true", help="print the summary of --out and exit")
+    ap.add_argument("--write", action="store_true", help=f"put the summary into {PAGE.name}")
     a = ap.parse_args(argv)
     if a.markdown:
-        print(markdown(json.loads(a.out.read_text(encoding="utf-8"))))
+        text = markdown(json.loads(a.out.read_text(encoding="utf-8")))
+        write_page(text) if a.write else print(text)
         return 0
     data = {"measured": {"started_utc": _measure.now_utc(), "note": a.note,
                          "load_average_before": _measure.load_average(),
@@ -119,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     print(markdown(data))
+    if a.write:
+        write_page(markdown(data))
     return 0 if all(r["all_passed"] for r in data["rounds"]) else 1
 
 

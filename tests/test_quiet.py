@@ -27,4 +27,7 @@ def test_a_busy_process_outside_our_tree_makes_the_machine_not_quiet():
 def test_make_notebooks_checks_before_each_notebook():
     out = subprocess.run(["make", "-n", "notebooks"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60).stdout
-    assert "benchmarks/quiet.py --wait 120" in out
+    assert "benchmarks/chapter_times.py --record --quiet-wait 120" in out
+    skipped = subprocess.run(["make", "-n", "notebooks", "QUIET=skip"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60).stdout
+    assert "--quiet-wait" not in skipped and "QUIET=skip" in skipped
