@@ -20,6 +20,7 @@ import gc
 import inspect
 import math
 import statistics
+import textwrap
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..checking import (
@@ -45,7 +47,8 @@ from ..data import make_dataset, make_model
 from ..devices import backend_and_device, process_group_kwargs
 
 __all__ = ["check_bucketed_ddp", "check_sharded_optimizer", "check_comm_prediction", "measured_rounds",
-           "MISCONCEPTIONS", "ring_factor", "fit_alpha_beta", "allreduce_seconds"]
+           "MISCONCEPTIONS", "ring_factor", "fit_alpha_beta", "allreduce_seconds", "compare_bucketed_speed",
+           "measure_sharded_memory"]
 
 # What learners really get wrong, per exercise; each entry is recognised by the checker and has a test.
 MISCONCEPTIONS = {
@@ -708,3 +711,271 @@ def check_comm_prediction(predict: Callable, *, timeout: float = 90.0, tolerance
         raise CheckFailed(f"the prediction is {ratio:.2f} times the measured time, outside "
                           f"[{1 / tolerance:.2f}, {tolerance:.2f}]. If the formula passed the exact "
                           "check above, the machine was probably busy while measuring: rerun.")
+
+
+# --------------------------------------------------------------------------------------------
+# Measurements printed beside exercises 10.a and 10.b (not checks: they judge speed and memory)
+# --------------------------------------------------------------------------------------------
+
+def _count_all_reduces(step: Callable[[], None]) -> int:
+    """Calls to ``dist.all_reduce`` made by ``step()`` (the mini DDPs call it through ``dist``)."""
+    real, calls = dist.all_reduce, []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        step()
+    finally:
+        dist.all_reduce = real
+    return len(calls)
+
+
+def _speed_worker(classes: dict[str, Any], cap_mb: float, batch: int, steps: int,
+                  repeats: int) -> dict:
+    """Worker: the seconds of each of ``steps`` training steps of each wrapper, the wrappers taking
+    turns within each repeat (in alternating order); all-reduce calls per step.  A wrapper whose
+    constructor is still a stub is left out (its calls are None)."""
+    backend, device = backend_and_device()
+    dist.init_process_group(**process_group_kwargs(backend, device))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x, y = make_dataset(batch * world, seed=12).tensors
+    x, y = x[rank::world].to(device), y[rank::world].to(device)
+    ids = [device.index] if device.type == "cuda" else None
+
+    def wrap(name: str) -> Any:
+        model = make_model(seed=0).to(device)
+        if name == "torch DDP":
+            return DDP(model, bucket_cap_mb=cap_mb, device_ids=ids)
+        try:
+            return classes[name](model, cap_mb) if name == "DDPBucketed" else classes[name](model)
+        except NotImplementedError:
+            return None
+
+    def train_step(wrapped: Any, opt: torch.optim.Optimizer) -> None:
+        if hasattr(wrapped, "on_train_batch_start"):
+            wrapped.on_train_batch_start()
+        opt.zero_grad()
+        F.cross_entropy(wrapped(x), y).backward()
+        if hasattr(wrapped, "finish_gradient_synchronization"):
+            wrapped.finish_gradient_synchronization()
+        opt.step()
+
+    runs, calls = {}, {}
+    for name in ["torch DDP", *classes]:
+        wrapped = wrap(name)
+        if wrapped is None:
+            calls[name] = None
+            continue
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+        for _ in range(3):  # warm-up; torch DDP rebuilds its buckets after the first step
+            train_step(wrapped, opt)
+        runs[name] = (wrapped, opt)
+        if name == "torch DDP":  # a second DDP with a comm hook that counts the buckets it gets
+            counted = DDP(make_model(seed=0).to(device), bucket_cap_mb=cap_mb, device_ids=ids)
+            buckets = []
+
+            def counting_hook(state, bucket, buckets=buckets):  # no annotations: DDP checks them
+                buckets.append(bucket.buffer().numel())
+                return allreduce_hook(None, bucket)
+
+            counted.register_comm_hook(None, counting_hook)
+            c_opt = torch.optim.AdamW(counted.parameters(), lr=1e-3)
+            for _ in range(2):
+                buckets.clear()
+                train_step(counted, c_opt)
+            calls[name] = len(buckets)
+            del counted, c_opt
+        else:
+            calls[name] = _count_all_reduces(lambda w=wrapped, o=opt: train_step(w, o))
+
+    seconds: dict[str, list[list[float]]] = {name: [] for name in runs}  # per repeat, per step
+    for k in range(repeats):
+        for name in list(runs)[::1 if k % 2 == 0 else -1]:  # the order alternates between repeats
+            wrapped, opt = runs[name]
+            dist.barrier()
+            times = []
+            for _ in range(steps):
+                sync()
+                t0 = time.perf_counter()
+                train_step(wrapped, opt)
+                sync()
+                times.append(time.perf_counter() - t0)
+            seconds[name].append(times)
+    del runs, wrapped, opt
+    gc.collect()  # no DDP reducer may outlive the process group
+    dist.destroy_process_group()
+    return {"backend": backend, "seconds": seconds, "calls": calls}
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    """First quartile, median, third quartile."""
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def compare_bucketed_speed(DDPBucketed: Any, DDPIndividualParameters: Any = None, *,
+                           bucket_size_mb: float = 25.0, batch: int = 64, steps: int = 15,
+                           repeats: int = 15, margin: float = 0.10, timeout: float = 120.0) -> dict:
+    """Time training steps of the course model on 2 ranks with torch DDP, ``DDPBucketed`` and
+    ``DDPIndividualParameters``; print steps per second and all-reduce calls per step, and whether
+    ``DDPBucketed`` is within ``margin`` of torch DDP's steps per second here.
+
+    Each repeat times ``steps`` AdamW steps of each wrapper in turn (the same model and data, a
+    bucket cap of ``bucket_size_mb`` for both bucketed ones), so that a change of load on a shared
+    machine touches all of them alike.  A repeat's steps per second come from its median step (a
+    step's time is the slower rank's).  ``DDPBucketed`` is compared with torch DDP repeat by repeat:
+    the median of those ratios decides, and their quartiles say how much the repeats disagree.
+    ``DDPIndividualParameters`` may be None or a stub: it is then left out.  Returns the numbers.
+    """
+    require_callable(DDPBucketed, "the class DDPBucketed(module, bucket_size_mb)")
+    classes = {"DDPBucketed": DDPBucketed}
+    if DDPIndividualParameters is not None:
+        classes["DDPIndividualParameters"] = DDPIndividualParameters
+    out = run_workers(_speed_worker, WORLD, args=(classes, bucket_size_mb, batch, steps, repeats),
+                      timeout=timeout, hang_hint="the ranks made different all-reduces: rerun the check "
+                      "of exercise 10.a (or 04.b) first.")
+    calls = out[0]["calls"]
+    if calls["DDPBucketed"] is None:
+        raise CheckFailed("DDPBucketed is not done yet (exercise 10.a): its constructor still raises "
+                          "NotImplementedError. Complete it, then measure it.")
+    rates = {n: [1 / statistics.median(max(ts) for ts in zip(*(r["seconds"][n][k] for r in out)))
+                 for k in range(repeats)]
+             for n, c in calls.items() if c is not None}
+    rel = {n: [a / b for a, b in zip(r, rates["torch DDP"])] for n, r in rates.items()}
+    print(f"{out[0]['backend']}, {WORLD} ranks, course model, batch {batch} per rank, AdamW; "
+          f"{repeats} repeats of {steps} steps, the wrappers taking turns")
+    print(f"{'':<31}{'steps/s: median':>16}{'(quartiles)':>16}{'vs torch DDP':>14}{'all-reduces/step':>18}")
+    for n, c in calls.items():
+        label = n if n == "DDPIndividualParameters" else f"{n} ({bucket_size_mb:g} MiB)"
+        if c is None:
+            print(f"{label:<31}  left out: its constructor is still a stub (exercise 04.b)")
+            continue
+        q1, q2, q3 = _quartiles(rates[n])
+        print(f"{label:<31}{q2:>16.0f}{f'({q1:.0f} to {q3:.0f})':>16}{statistics.median(rel[n]):>14.0%}"
+              f"{c:>18d}")
+    lo, med, hi = _quartiles(rel["DDPBucketed"])
+    within = med >= 1 - margin
+    firm = lo >= 1 - margin if within else hi < 1 - margin
+    print(f"DDPBucketed runs at {med:.0%} of torch DDP's steps per second (median over {repeats} "
+          f"repeats; the middle half of them {lo:.0%} to {hi:.0%}): "
+          f"{'within' if within else 'not within'} {margin:.0%} of torch DDP on this machine"
+          + ("." if firm else f"; but the middle half of the repeats straddles {1 - margin:.0%}, "
+             "so the machine was too noisy for a firm verdict: rerun when it is quiet."))
+    return {"steps_per_s": rates, "vs_ddp": rel, "calls": calls, "within": within, "firm": firm}
+
+
+def _state_tensors(opt: Any) -> dict[int, list[torch.Tensor]]:
+    """Per parameter (by id), the tensors of its optimizer state in ``opt`` and in any optimizer
+    one attribute away from it (where a ShardedOptimizer keeps its inner one), each counted once."""
+    seen, out = set(), {}
+    for o in _optimizers_in(opt):
+        for p, st in o.state.items():
+            for t in st.values():
+                if isinstance(t, torch.Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    out.setdefault(id(p), []).append(t)
+    return out
+
+
+def _memory_cases() -> list[tuple[str, torch.nn.Module]]:
+    g = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        equal = torch.nn.Sequential(torch.nn.Linear(32, 128), *[torch.nn.Linear(128, 128) for _ in range(6)],
+                                    torch.nn.Linear(128, 10))
+    finally:
+        torch.random.set_rng_state(g)
+    return [("course model", make_model(seed=0)), ("8 layers, 6 of them 128x128", equal)]
+
+
+def _memory_worker(cls: Any) -> list[dict]:
+    """Worker: bytes of optimizer state on this rank after one step, sharded and plain AdamW."""
+    backend, device = backend_and_device()
+    dist.init_process_group(**process_group_kwargs(backend, device))
+    x, y = make_dataset(64, seed=13).tensors  # the same batch on every rank: equal gradients
+    x, y = x.to(device), y.to(device)
+    out = []
+    try:
+        for name, init in _memory_cases():
+            per_param = []
+            for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                         lambda ps: cls(ps, torch.optim.AdamW, lr=1e-3)):
+                model = copy.deepcopy(init).to(device)
+                opt = make(model.parameters())
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                state = _state_tensors(opt)
+                per_param.append([sum(t.numel() * t.element_size() for t in state.get(id(p), []))
+                                  for p in model.parameters()])
+                del opt
+            out.append({"name": name, "plain": per_param[0], "sharded": per_param[1],
+                        "names": [n for n, _ in init.named_parameters()],
+                        "numel": [p.numel() for p in init.parameters()]})
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def measure_sharded_memory(ShardedOptimizer: Any, *, timeout: float = 90.0) -> list[dict]:
+    """Bytes of AdamW state each of 2 ranks holds after one step, with ``ShardedOptimizer`` and with
+    plain AdamW, on the course model and on a model of equal layers; printed next to the ideal 1/N,
+    with a verdict computed from them.  The state is every tensor in the optimizers' ``state``
+    (AdamW: ``exp_avg`` and ``exp_avg_sq`` the size of the parameter, and a one-element ``step``);
+    the ShardedOptimizer's inner optimizer is found one attribute away from it.  Returns the numbers.
+    """
+    require_callable(ShardedOptimizer, "the class ShardedOptimizer(params, optimizer_cls, **kwargs)")
+    try:
+        out = run_workers(_memory_worker, WORLD, args=(ShardedOptimizer,), timeout=timeout,
+                          hang_hint="the ranks disagree on who owns a parameter: rerun the check of 10.b.")
+    except CheckFailed as e:
+        if "not done yet" in str(e) or "NotImplementedError" in str(e):
+            raise CheckFailed("ShardedOptimizer is not done yet (exercise 10.b): complete it, then "
+                              "measure it.") from None
+        raise
+    kib = 2**10
+    results = []
+    for c in range(len(out[0])):
+        case = out[0][c]
+        plain = sum(case["plain"])
+        held = [sum(o[c]["sharded"]) for o in out]
+        owners = [[i for i, b in enumerate(o[c]["sharded"]) if b] for o in out]
+        n = len(case["plain"])
+        print(f"{case['name']} ({sum(case['numel']):,} parameters in {n} tensors), AdamW, {WORLD} ranks: "
+              "optimizer state per rank after one step")
+        rows = [("unsharded AdamW", plain, f"all {n} tensors")]
+        rows += [(f"ShardedOptimizer, rank {r}", b, f"{len(owners[r])} of {n} tensors")
+                 for r, b in enumerate(held)]
+        rows.append((f"ideal 1/{WORLD}", plain / WORLD, ""))
+        for label, b, what in rows:
+            print(f"    {label:<27}{b / kib:>8.1f} KiB {b / plain:>5.0%}   {what}".rstrip())
+        twice = set(owners[0]).intersection(*owners[1:])
+        biggest = max(range(n), key=lambda i: case["plain"][i])
+        best = max(case["plain"][biggest], plain / WORLD)  # no split of whole tensors does better
+        if twice:
+            verdict = (f"not sharded: {len(twice)} of {n} tensors have state on every rank, so a rank "
+                       f"holds {max(held) / plain:.0%} of the unsharded state.")
+        elif sum(held) != plain:
+            verdict = (f"the ranks together hold {sum(held) / plain:.0%} of the unsharded state: some "
+                       "parameters' state is missing or counted differently.")
+        else:
+            verdict = (f"sharded: each tensor's state is on one rank and the ranks together hold exactly "
+                       f"the unsharded {plain / kib:.1f} KiB. The fullest rank holds {max(held) / plain:.0%}"
+                       f", against the ideal {1 / WORLD:.0%}")
+            if max(held) <= plain / WORLD * 1.05:
+                verdict += ": close to it, because many tensors of similar size can be dealt out evenly."
+            else:
+                verdict += (f", because whole tensors are given to ranks: the largest, "
+                            f"{case['names'][biggest]} ({case['numel'][biggest]:,} elements), carries "
+                            f"{case['plain'][biggest] / plain:.0%} of the state alone, so no assignment of "
+                            f"whole tensors can bring the fullest rank below {best / plain:.0%} here. "
+                            "FSDP2 splits every parameter along dim 0 across the ranks, which reaches 1/N "
+                            "up to padding; torch's ZeroRedundancyOptimizer, like this exercise, gives "
+                            "whole parameters to ranks.")
+        print(textwrap.fill(verdict, 104, initial_indent="    ", subsequent_indent="    "))
+        results.append({"name": case["name"], "unsharded": plain, "per_rank": held, "owners": owners,
+                        "lower_bound": best})
+    return results
