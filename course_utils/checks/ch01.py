@@ -1,20 +1,38 @@
-"""Checkers for chapter 01 (one device): the training step, the evaluation loop, and the gradient of a
-batch rebuilt from the gradients of its shards (data parallelism on one process).
+"""Checkers for chapter 01 (one device): a training step with gradient clipping, an evaluation loop
+that weighs every sample equally, and the gradient of a batch rebuilt from the gradients of its shards
+(data parallelism on one process).
 
 What learners get wrong, and the message each one gets (tests/test_ch01_checks.py holds an answer
 written with each misconception):
 
-01.a training step
+01.a training step with clipping, ``train_step(model, optimizer, x, y, max_norm) -> (loss, norm)``
+- "clip anywhere in the step" (before ``backward()``, where this batch has no gradients yet, or after
+  ``optimizer.step()``, when the update is made) -> "the optimizer stepped with the unclipped
+  gradients" / "clipped after optimizer.step()"; both say: between backward() and step();
+- "max_norm is per parameter" (``clip_grad_norm_`` called on each parameter alone) -> "one norm over
+  all the gradients together";
+- "clipping limits the values" (``clip_grad_value_`` or ``clamp``) -> "clips each element ... changes
+  the gradient's direction";
+- "the total norm is the sum of the parameters' norms" (hand-written clipping) -> "the square root of
+  the sum of squares";
+- "clipping rescales to max_norm" (hand-written, without the min with 1) -> "only shrinks";
+- "zero_grad anywhere in the step" (between backward and step) -> "zero_grad() ... erased them";
 - "gradients start from zero by themselves" (no zero_grad) -> "call `optimizer.zero_grad()`";
-- "backward updates the weights" (no optimizer.step) -> "call `optimizer.step()`";
-- "returning the loss is harmless" (the tensor, with its graph) -> "Return `loss.item()`";
+- "backward updates the weights" (no step) -> "call `optimizer.step()`";
+- "the norm to log is the clipped one" (measured after clipping, so never above max_norm) -> "the
+  norm before clipping";
+- "returning the loss is harmless" (the tensor with its graph) -> "`loss.item()` or `loss.detach()`";
 - "the summed loss is the loss" (reduction="sum") -> "the mean over the batch".
 
-01.b evaluation
+01.b evaluation, ``evaluate(model, loader) -> (accuracy, mean loss per sample)``
+- "the mean of the batch means is the mean" (the last batch is smaller) -> "mean of per-batch
+  means ... weigh each batch by its size" (for the loss and for the accuracy);
+- "every batch is full" (``len(loader) * batch_size`` samples) -> "counted ... samples";
 - "no_grad is only about speed" (forgotten) -> "torch.no_grad";
 - "eval mode is only for dropout" (forgotten) -> "model.eval";
-- "the mean of the batch accuracies is the accuracy" (smaller last batch) -> "averaging per-batch
-  accuracies"; a percentage instead of a fraction -> "not a percentage".
+- "evaluation ends in training mode" (``model.train()`` at the end, or nothing restored) -> "restore
+  the mode the model was in";
+- a percentage instead of a fraction -> "not a percentage"; the two values swapped -> "swapped".
 
 01.c gradient from shards
 - "the mean of the shards' gradients is the batch's gradient" (true only for equal shards) ->
@@ -35,116 +53,290 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..checking import CheckFailed, checker, close, compare_tensors, require_callable
+from ..checking import CheckFailed, as_float, checker, close, compare_tensors, require_callable
 from ..data import make_dataset, make_model, split
 
 __all__ = ["check_train_step", "check_evaluate", "check_shard_gradients"]
 
 
-def _reference_step(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> float:
-    opt.zero_grad()
-    loss = nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss.item()
+# --------------------------------------------------------------------------------------------
+# 01.a training step with gradient clipping
+# --------------------------------------------------------------------------------------------
+
+# max_norm of each step as a fraction of that step's true gradient norm: the first step clips hard
+# (clamping elements at this bound changes some of them), the second does not clip at all (an answer
+# that rescales every gradient to max_norm, or measures the norm as a sum, shows there), the third
+# clips again, with momentum from the first two steps in the update.
+_CLIP_FACTORS = (0.1, 1.5, 0.4)
 
 
-def _batches(k: int, bs: int = 32):
-    x, y = make_dataset(1024, seed=1).tensors
-    return [(x[i * bs:(i + 1) * bs], y[i * bs:(i + 1) * bs]) for i in range(k)]
+def _grads(model: nn.Module) -> dict:
+    return {k: None if p.grad is None else p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+def _total_norm(grads: dict) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+
+
+def _scaled(grads: dict, coef) -> dict:
+    return {k: g * coef for k, g in grads.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(a[k] is not None and close(a[k], b[k], atol=1e-7, rtol=1e-4) for k in b)
+
+
+def _clip_mistake(seen: dict, g: dict, norm: float, max_norm: float, left: dict | None,
+                  after: dict, step: int) -> str:
+    """What a learner did to the gradients the optimizer stepped with (``seen``), or ``""``."""
+    where = f"step {step} (max_norm {max_norm:.4g}, true gradient norm {norm:.4g})"
+    if all(v is None or not v.any() for v in seen.values()):
+        return (f"{where}: when optimizer.step() ran, every gradient was zero or None: zero_grad() "
+                "between loss.backward() and optimizer.step() erased them. Zero the gradients at the "
+                "start of the step (or after step()), never between backward() and step().")
+    if left is not None:
+        stale = {k: g[k] + (left[k] if left[k] is not None else 0) for k in g}
+        coef = min(1.0, max_norm / (_total_norm(stale).item() + 1e-6))
+        if _same(seen, _scaled(stale, coef)):
+            return (f"{where}: the gradients the optimizer used hold this batch's gradients plus those "
+                    "left from the previous step. Call `optimizer.zero_grad()` in every step, before "
+                    "`loss.backward()`.")
+    if norm > max_norm and _same(seen, g):
+        if all(after[k] is not None for k in g) and _same(after, _scaled(g, max_norm / (norm + 1e-6))):
+            return (f"{where}: you clipped after optimizer.step(): the update was already made with "
+                    "the unclipped gradients, and the clipped ones are thrown away by the next "
+                    "zero_grad(). Clip between loss.backward() and optimizer.step().")
+        return (f"{where}: the optimizer stepped with the unclipped gradients. Clip after "
+                "loss.backward() (before it, this batch has no gradients yet: clipping then acts on "
+                "zeros, or on what the previous step left) and before optimizer.step(), with "
+                "`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`.")
+    if norm < max_norm and _same(seen, _scaled(g, max_norm / norm)):
+        return (f"{where}: the gradients were scaled up to max_norm. Clipping only shrinks: the factor "
+                "is min(1, max_norm / total_norm), so a gradient whose norm is already below max_norm "
+                "stays as it is.")
+    per_param = {k: v * min(1.0, max_norm / (torch.linalg.vector_norm(v).item() + 1e-6))
+                 for k, v in g.items()}
+    if _same(seen, per_param):
+        return (f"{where}: each parameter's gradient was clipped by its own norm. max_norm bounds one "
+                "norm over all the gradients together (as if they were one long vector), and every "
+                "gradient is scaled by the same factor: pass all parameters to one "
+                "`clip_grad_norm_(model.parameters(), max_norm)` call.")
+    if _same(seen, {k: v.clamp(-max_norm, max_norm) for k, v in g.items()}):
+        return (f"{where}: the gradients were clipped element by element (clip_grad_value_ or clamp), "
+                "which changes the gradient's direction and leaves its norm unbounded. Clip by the "
+                "global norm: `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` scales "
+                "all gradients by one factor.")
+    summed = sum(torch.linalg.vector_norm(v).item() for v in g.values())
+    if _same(seen, _scaled(g, min(1.0, max_norm / summed))):
+        return (f"{where}: the total norm was taken as the sum of the parameters' norms. The global norm "
+                "is the norm of all gradients as one vector: the square root of the sum of the squared "
+                "per-parameter norms (torch.nn.utils.get_total_norm). In sharded training each rank "
+                "holds some of the gradients: the ranks add up their sums of squares, then take the "
+                "root.")
+    return ""
+
+
+def _two_numbers(got) -> tuple:
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise CheckFailed(f"train_step should return two numbers, (loss, norm before clipping); got "
+                          f"{type(got).__name__}" + (f" of length {len(got)}" if
+                                                      isinstance(got, (tuple, list)) else ""))
+    for name, v in zip(("the loss", "the norm"), got):
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            raise CheckFailed(
+                f"train_step returned {name} as a tensor that still holds the autograd graph of the "
+                "step. Return `loss.item()` or `loss.detach()`: a caller that keeps graphs alive "
+                "(`total += loss`) leaks the memory of every step, the classic leak of chapter 09.")
+    values = tuple(as_float(v) for v in got)
+    for name, v in zip(("the loss", "the norm"), values):
+        if isinstance(v, tuple):
+            raise CheckFailed(f"train_step returned {name} as a {v[1]}; expected a number or a "
+                              "one-element tensor")
+    return values
 
 
 @checker("01.a training step")
 def check_train_step(train_step: Callable) -> None:
-    """``train_step(model, optimizer, x, y) -> float`` must match the reference for 3 steps."""
-    require_callable(train_step, "train_step(model, optimizer, x, y)")
+    """``train_step(model, optimizer, x, y, max_norm) -> (loss, norm)``: one step with the gradients
+    clipped to a global norm of at most ``max_norm``; compared with the reference for 3 steps of SGD
+    with momentum, on the gradients the optimizer used, the parameters and the momentum buffers."""
+    require_callable(train_step, "train_step(model, optimizer, x, y, max_norm)")
+    x_all, y_all = make_dataset(1024, seed=1).tensors
     ref, mine = make_model(0), make_model(0)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     my_opt = torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9)
-    before = {k: v.clone() for k, v in mine.state_dict().items()}
-    for step, (x, y) in enumerate(_batches(3)):
-        want = _reference_step(ref, ref_opt, x, y)
-        got = train_step(mine, my_opt, x, y)
-        if isinstance(got, torch.Tensor):
-            if got.requires_grad:
-                raise CheckFailed(
-                    "train_step returned the loss tensor itself, which still holds the whole "
-                    "autograd graph. Return `loss.item()`: keeping graphs alive (e.g. `total += "
-                    "loss`) is the classic memory leak of chapter 09.")
-            got = got.item()
-        if not isinstance(got, (float, int)):
-            raise CheckFailed(f"train_step should return the loss as a float, got "
-                              f"{type(got).__name__}")
-        if step == 0 and all(torch.equal(before[k], v) for k, v in mine.state_dict().items()):
-            raise CheckFailed("the parameters did not change after one step: call "
-                              "`optimizer.step()` after `loss.backward()`.")
-        if step > 0:
-            stale = [n for (n, p), q in zip(mine.named_parameters(), ref.parameters())
-                     if p.grad is not None and not close(p.grad, q.grad, atol=1e-6)]
-            if stale:
-                raise CheckFailed(
-                    f"step {step}: the gradients of {stale[0]} are not this batch's gradients; "
-                    "those of the previous steps were added to them. Usual mistake: call "
-                    "`optimizer.zero_grad()` in every step, before `loss.backward()`.")
-        if abs(got - want) > 1e-4:
-            hint = ("the gradients of the previous step were added to this one: call "
-                    "`optimizer.zero_grad()` before `loss.backward()`") if step > 0 else (
-                    "use `nn.functional.cross_entropy(model(x), y)` (the mean over the batch)")
-            raise CheckFailed(f"step {step}: loss {got:.6f}, expected {want:.6f}. Usual mistake: {hint}.")
-        compare_tensors(dict(ref.named_parameters()), dict(mine.named_parameters()), atol=1e-5,
-                        where=f"step {step}", hint="zero the gradients every step, and step the "
-                        "optimizer once per batch, after backward()")
+    seen: list[dict] = []
+    hook = my_opt.register_step_pre_hook(lambda opt, args, kwargs: seen.append(_grads(mine)))
+    left = None
+    try:
+        for step, factor in enumerate(_CLIP_FACTORS):
+            x, y = x_all[step * 32:(step + 1) * 32], y_all[step * 32:(step + 1) * 32]
+            ref_opt.zero_grad()
+            want_loss = nn.functional.cross_entropy(ref(x), y)
+            want_loss.backward()
+            g = _grads(ref)
+            norm = _total_norm(g).item()
+            max_norm = factor * norm
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            ref_opt.step()
+            seen.clear()
+            loss, got_norm = _two_numbers(train_step(mine, my_opt, x, y, max_norm))
+            after = _grads(mine)
+            where = f"step {step}"
+            if not seen:
+                raise CheckFailed(f"{where}: optimizer.step() was never called, so the parameters did "
+                                  "not change: call `optimizer.step()` after clipping the gradients.")
+            if abs(loss - len(y) * want_loss.item()) < 1e-3 * len(y):
+                raise CheckFailed(f"{where}: loss {loss:.4f}, {len(y)}x the expected {want_loss.item():.4f}: "
+                                  "the loss was summed over the batch. Use the mean over the batch, "
+                                  "`nn.functional.cross_entropy(model(x), y)`, as the reference does.")
+            want = _scaled(g, min(1.0, max_norm / (norm + 1e-6)))
+            if not _same(seen[0], want):
+                mistake = _clip_mistake(seen[0], g, norm, max_norm, left, after, step)
+                if mistake:
+                    raise CheckFailed(mistake)
+                compare_tensors(want, {k: v for k, v in seen[0].items() if v is not None},
+                                atol=1e-6, what="gradients at optimizer.step()",
+                                where=where, hint="zero_grad, forward, loss (the mean), backward, "
+                                "clip_grad_norm_(model.parameters(), max_norm), step")
+            if abs(loss - want_loss.item()) > 1e-4:
+                raise CheckFailed(f"{where}: loss {loss:.6f}, expected {want_loss.item():.6f}: return "
+                                  "the cross-entropy of this batch, computed before the update.")
+            if abs(got_norm - norm) > 1e-4 * norm:
+                if abs(got_norm - min(norm, max_norm)) < 1e-4 * norm:
+                    why = ("that is the norm after clipping, which is never above max_norm, so a log of "
+                           "it cannot show how often clipping acts. Return the norm before clipping: "
+                           "the value clip_grad_norm_ returns")
+                else:
+                    why = ("return the total norm of the gradients before clipping (clip_grad_norm_ "
+                           "returns it)")
+                raise CheckFailed(f"{where}: returned norm {got_norm:.6g}, expected {norm:.6g}: {why}.")
+            compare_tensors(dict(ref.named_parameters()), dict(mine.named_parameters()), atol=1e-6,
+                            where=f"{where}, after the update", hint="one optimizer.step() per call")
+            bufs = {k: ref_opt.state[p]["momentum_buffer"] for k, p in ref.named_parameters()}
+            compare_tensors(bufs, {k: my_opt.state[p].get("momentum_buffer", torch.zeros(0))
+                                   for k, p in mine.named_parameters()}, atol=1e-6,
+                            what="momentum buffers", where=where, hint="one optimizer.step() per call")
+            left = after
+    finally:
+        hook.remove()
+    print(f"train_step: {len(_CLIP_FACTORS)} steps of SGD with momentum, max_norm below and above the "
+          "gradient's norm; the gradients at optimizer.step(), the returned loss and norm, the "
+          "parameters and the momentum match the reference")
+
+
+# --------------------------------------------------------------------------------------------
+# 01.b evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def _eval_model() -> nn.Module:
+    """The course model with BatchNorm, its running statistics away from their initial values."""
+    model = make_model(0, norm=True)
+    x = make_dataset(512, seed=7).tensors[0]
+    model.train()
+    with torch.no_grad():
+        for i in range(0, len(x), 128):
+            model(x[i:i + 128])
+    return model
+
+
+def _eval_candidates(model: nn.Module, loader: DataLoader) -> dict:
+    """The right answer and the usual wrong ones, from the same model in eval mode."""
+    model.eval()
+    correct, loss_sum, n, accs, losses = 0, 0.0, 0, [], []
+    with torch.no_grad():
+        for x, y in loader:
+            out = model(x)
+            c = (out.argmax(1) == y).sum().item()
+            l_sum = nn.functional.cross_entropy(out, y, reduction="sum").item()
+            correct, loss_sum, n = correct + c, loss_sum + l_sum, n + len(y)
+            accs.append(c / len(y))
+            losses.append(l_sum / len(y))
+    padded = len(loader) * loader.batch_size
+    return {"acc": correct / n, "loss": loss_sum / n, "n": n, "padded": padded,
+            "acc_mean": sum(accs) / len(accs), "loss_mean": sum(losses) / len(losses),
+            "acc_padded": correct / padded, "loss_padded": loss_sum / padded}
+
+
+def _agree(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 * max(1.0, abs(b))
 
 
 @checker("01.b evaluation")
 def check_evaluate(evaluate: Callable) -> None:
-    """``evaluate(model, loader) -> accuracy`` over the whole set, in eval mode, without a graph."""
+    """``evaluate(model, loader) -> (accuracy, mean loss)`` over every sample, the last batch smaller, in
+    eval mode, without a graph, and the model left in the mode it was in."""
     require_callable(evaluate, "evaluate(model, loader)")
-    model = make_model(0, norm=True)
     _, val = split(make_dataset())
     x, y = val.tensors
-    n = 1000  # 1000 is not a multiple of the batch size: the last batch is smaller
-    data = TensorDataset(x[:n], y[:n])
-    with torch.no_grad():  # warm the BatchNorm statistics so train and eval mode differ
-        model.train()
-        for i in range(0, n, 100):
-            model(x[i:i + 100])
-    seen = {"grad": [], "training": []}
+    data = TensorDataset(x[:1000], y[:1000])  # 1000 rows: the last batch is smaller
+    for mode, bs in (("training", 64), ("eval", 128)):
+        model = _eval_model()
+        loader = DataLoader(data, batch_size=bs, shuffle=False)
+        want = _eval_candidates(model, loader)
+        model.train(mode == "training")
+        buffers = {k: v.clone() for k, v in model.named_buffers()}
+        seen = {"grad": [], "training": []}
 
-    def spy(mod, inp, out):
-        seen["grad"].append(torch.is_grad_enabled())
-        seen["training"].append(mod.training)
+        def spy(mod, inp, out, seen=seen):
+            seen["grad"].append(torch.is_grad_enabled())
+            seen["training"].append(mod.training)
 
-    handle = model.register_forward_hook(spy)
-    model.eval()
-    with torch.no_grad():
-        want = (model(x[:n]).argmax(1) == y[:n]).float().mean().item()
-    model.train()
-    seen["grad"].clear()
-    seen["training"].clear()
-    try:
-        got = evaluate(model, DataLoader(data, batch_size=64, shuffle=False))
-    finally:
-        handle.remove()
-    if isinstance(got, torch.Tensor):
-        got = got.item()
-    if not isinstance(got, (float, int)):
-        raise CheckFailed(f"evaluate should return the accuracy as a float, got {type(got).__name__}")
-    if not seen["grad"]:
-        raise CheckFailed("evaluate never called the model")
-    if any(seen["grad"]):
-        raise CheckFailed("the model ran with autograd on: wrap evaluation in `torch.no_grad()` "
-                          "(or `torch.inference_mode()`), or every batch builds a graph for nothing.")
-    if any(seen["training"]):
-        raise CheckFailed("the model was in training mode: call `model.eval()` before evaluating, "
-                          "or BatchNorm uses the batch's statistics and updates its running ones.")
-    if 1.0 < got <= 100.0:
-        raise CheckFailed(f"got {got:.2f}: return a fraction between 0 and 1, not a percentage")
-    if abs(got - want) > 1e-6:
-        raise CheckFailed(
-            f"accuracy {got:.6f}, expected {want:.6f}. Usual mistake: averaging per-batch accuracies "
-            "gives the smaller last batch too much weight; count correct predictions and divide by "
-            "the number of samples.")
+        handle = model.register_forward_hook(spy)
+        try:
+            got = evaluate(model, loader)
+        finally:
+            handle.remove()
+        where = (f"a model in {mode} mode, {want['n']} samples in batches of {bs} (the last one "
+                 f"{want['n'] - (len(loader) - 1) * bs})")
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise CheckFailed(f"evaluate should return two numbers, (accuracy, mean loss); got "
+                              f"{type(got).__name__}")
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in got) or any(seen["grad"]):
+            raise CheckFailed("the model ran with autograd on: wrap evaluation in `torch.no_grad()` (or "
+                              "`torch.inference_mode()`), or every batch builds a graph that keeps its "
+                              "activations alive for a backward pass that never comes.")
+        acc, loss = (as_float(v) for v in got)
+        if isinstance(acc, tuple) or isinstance(loss, tuple):
+            raise CheckFailed("evaluate should return two numbers (floats or one-element tensors)")
+        if not seen["training"]:
+            raise CheckFailed("evaluate never called the model")
+        if any(seen["training"]) or any(not torch.equal(v, buffers[k]) for k, v in model.named_buffers()
+                                        if "num_batches" not in k):
+            raise CheckFailed("the model ran in training mode: call `model.eval()` before evaluating, or "
+                              "BatchNorm normalises with each batch's own statistics and overwrites its "
+                              "running ones (and Dropout drops activations).")
+        if model.training != (mode == "training"):
+            raise CheckFailed(
+                f"{where}: after evaluate() the model was in "
+                f"{'training' if model.training else 'eval'} mode. Restore the mode the model was in: "
+                "`was_training = model.training` before `model.eval()`, `model.train(was_training)` "
+                "before returning. A training loop that evaluates every epoch must go on training, "
+                "and a model that was already in eval mode must stay there.")
+        if _agree(acc, want["loss"]) and _agree(loss, want["acc"]):
+            raise CheckFailed("accuracy and loss are swapped: return (accuracy, mean loss)")
+        if 1.0 < acc <= 100.0 and _agree(acc / 100, want["acc"]):
+            raise CheckFailed(f"accuracy {acc:.2f}: return a fraction between 0 and 1, not a percentage")
+        for name, value in (("accuracy", acc), ("mean loss", loss)):
+            key = "acc" if name == "accuracy" else "loss"
+            if _agree(value, want[key]):
+                continue
+            if _agree(value, want[f"{key}_mean"]):
+                why = (f"that is the mean of per-batch {name} values, which gives each sample of the "
+                       "smaller last batch more weight than the others. Weigh each batch by its size: "
+                       "add up per-sample sums (correct predictions; "
+                       "`cross_entropy(..., reduction=\"sum\")`) and divide by the number of samples")
+            elif _agree(value, want[f"{key}_padded"]):
+                why = (f"that divides by len(loader) * batch_size = {want['padded']} samples, but the "
+                       f"last batch is smaller: {want['n']} were counted. Count len(y) of each batch "
+                       "(or len(loader.dataset))")
+            else:
+                why = ("expected the sum over every sample divided by the number of samples, with the "
+                       "model in eval mode")
+            raise CheckFailed(f"{where}: {name} {value:.6f}, expected {want[key]:.6f}; {why}.")
+    print("evaluate: accuracy and mean loss per sample over a loader whose last batch is smaller, in eval "
+          "mode without autograd, for a model in training mode and one in eval mode, each left as it was")
 
 
 # --------------------------------------------------------------------------------------------
