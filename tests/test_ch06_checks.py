@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import sys
@@ -9,9 +10,10 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from course_utils.checking import CheckFailed
-from course_utils.checks import ch06, check_launch_commands, check_resumable
+from course_utils.checks import check_launch_commands, check_resumable
 
 # --------------------------------------------------------------------------------------------
 # 06.a launch commands
@@ -137,12 +139,18 @@ def test_launch_commands_stub_is_not_done_yet():
 # --------------------------------------------------------------------------------------------
 
 
-def save_right(path, model, optimizer, step):
+def _state(model, optimizer, scheduler, epoch, step_in_epoch):
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "epoch": epoch, "step_in_epoch": step_in_epoch}
+
+
+def save_right(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank != 0:
+        return
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step}, f)
+            torch.save(_state(model, optimizer, scheduler, epoch, step_in_epoch), f)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -150,69 +158,170 @@ def save_right(path, model, optimizer, step):
         raise
 
 
-def load_right(path, model, optimizer):
+def load_right(path, model, optimizer, scheduler):
+    device = next(model.parameters()).device
+    state = torch.load(path, map_location=device, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["epoch"], state["step_in_epoch"]
+
+
+def batches_right(loader, epoch, step_in_epoch):
+    loader.sampler.set_epoch(epoch)
+    return itertools.islice(loader, step_in_epoch, None)
+
+
+def batches_by_skipping(loader, epoch, step_in_epoch):
+    """A generator that skips the batches already done by hand."""
+    loader.sampler.set_epoch(epoch)
+    for i, batch in enumerate(loader):
+        if i >= step_in_epoch:
+            yield batch
+
+
+def load_as_list(path, model, optimizer, scheduler):
     state = torch.load(path, map_location="cpu", weights_only=True)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
+    scheduler.load_state_dict(state["scheduler"])
+    return [int(state["epoch"]), int(state["step_in_epoch"])]
 
 
-def save_in_place(path, model, optimizer, step):
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-               path)
+def save_in_place(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank == 0:
+        torch.save(_state(model, optimizer, scheduler, epoch, step_in_epoch), path)
 
 
-def save_model_only(path, model, optimizer, step):
-    torch.save({"model": model.state_dict(), "step": step}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+def save_model_only(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "epoch": epoch, "step_in_epoch": step_in_epoch},
+                   path + ".tmp")
+        os.replace(path + ".tmp", path)
 
 
-def load_model_only(path, model, optimizer):
+def load_model_only(path, model, optimizer, scheduler):
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    return state["epoch"], state["step_in_epoch"]
+
+
+def save_without_scheduler(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "epoch": epoch, "step_in_epoch": step_in_epoch}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+
+def load_without_scheduler(path, model, optimizer, scheduler):
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])  # "the LR is in the optimizer's param_groups"
+    return state["epoch"], state["step_in_epoch"]
+
+
+def save_on_every_rank(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    tmp = f"{path}.{os.getpid()}.tmp"  # "each rank has its own temporary file, so it is safe"
+    torch.save(_state(model, optimizer, scheduler, epoch, step_in_epoch), tmp)
+    os.replace(tmp, path)
+
+
+def load_without_map_location(path, model, optimizer, scheduler):
     state = torch.load(path, weights_only=True)
     model.load_state_dict(state["model"])
-    return state["step"]
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["epoch"], state["step_in_epoch"]
 
 
-def load_unsafe(path, model, optimizer):
+def save_epoch_only(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank == 0:
+        state = _state(model, optimizer, scheduler, epoch, step_in_epoch)
+        del state["step_in_epoch"]  # "an epoch is the unit of training"
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+
+def load_epoch_only(path, model, optimizer, scheduler):
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["epoch"], 0
+
+
+def load_epoch_number(path, model, optimizer, scheduler):
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["epoch"]
+
+
+def batches_from_epoch_start(loader, epoch, step_in_epoch):
+    loader.sampler.set_epoch(epoch)
+    return loader  # "the sampler knows where it was"
+
+
+def batches_no_set_epoch_on_resume(loader, epoch, step_in_epoch):
+    if step_in_epoch == 0:
+        loader.sampler.set_epoch(epoch)
+        return iter(loader)
+    return itertools.islice(loader, step_in_epoch, None)  # resume: skip what was done
+
+
+def batches_skip_one_more(loader, epoch, step_in_epoch):
+    loader.sampler.set_epoch(epoch)
+    skip = step_in_epoch + 1 if step_in_epoch else 0  # "the saved batch was done, start after it"
+    return itertools.islice(loader, skip, None)
+
+
+def load_unsafe(path, model, optimizer, scheduler):
     state = torch.load(path, map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["epoch"], state["step_in_epoch"]
 
 
-def load_next_step(path, model, optimizer):
-    return load_right(path, model, optimizer) + 1
+def load_next_step(path, model, optimizer, scheduler):
+    epoch, step = load_right(path, model, optimizer, scheduler)
+    return epoch, step + 1
 
 
-def load_returns_nothing(path, model, optimizer):
-    load_right(path, model, optimizer)
+def load_returns_nothing(path, model, optimizer, scheduler):
+    load_right(path, model, optimizer, scheduler)
 
 
-def load_into_new_model(path, model, optimizer):
+def load_into_new_model(path, model, optimizer, scheduler):
     import copy
 
-    state = torch.load(path, weights_only=True)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     copy.deepcopy(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["epoch"], state["step_in_epoch"]
 
 
-def save_whole_objects(path, model, optimizer, step):
-    torch.save({"model": model, "optimizer": optimizer, "step": step}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+def save_whole_objects(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank == 0:
+        torch.save({"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                    "epoch": epoch, "step_in_epoch": step_in_epoch}, path + ".tmp")
+        os.replace(path + ".tmp", path)
 
 
-def save_to_other_name(path, model, optimizer, step):
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-               path + ".tmp")
+def save_to_other_name(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank == 0:
+        torch.save(_state(model, optimizer, scheduler, epoch, step_in_epoch), path + ".tmp")
 
 
-def save_with_named_temp_beside(path, model, optimizer, step):
+def save_with_named_temp_beside(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank != 0:
+        return
     folder = os.path.dirname(os.path.abspath(path))
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as f:
         try:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step}, f)
+            torch.save(_state(model, optimizer, scheduler, epoch, step_in_epoch), f)
         except BaseException:
             f.close()
             os.unlink(f.name)
@@ -220,12 +329,13 @@ def save_with_named_temp_beside(path, model, optimizer, step):
     os.replace(f.name, path)
 
 
-def save_via_system_temp(path, model, optimizer, step):
+def save_via_system_temp(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank != 0:
+        return
     fd, tmp = tempfile.mkstemp(suffix=".pt")  # in /tmp, not beside `path`
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step}, f)
+            torch.save(_state(model, optimizer, scheduler, epoch, step_in_epoch), f)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -233,12 +343,13 @@ def save_via_system_temp(path, model, optimizer, step):
         raise
 
 
-def save_via_system_temp_and_move(path, model, optimizer, step):
+def save_via_system_temp_and_move(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank != 0:
+        return
     fd, tmp = tempfile.mkstemp(suffix=".pt")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step}, f)
+            torch.save(_state(model, optimizer, scheduler, epoch, step_in_epoch), f)
         shutil.move(tmp, path)  # "move works across filesystems"
     except BaseException:
         if os.path.exists(tmp):
@@ -246,17 +357,19 @@ def save_via_system_temp_and_move(path, model, optimizer, step):
         raise
 
 
-def save_leaves_temp_on_failure(path, model, optimizer, step):
-    tmp = path + ".tmp"
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
-    os.replace(tmp, path)
+def save_leaves_temp_on_failure(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank == 0:
+        tmp = path + ".tmp"
+        torch.save(_state(model, optimizer, scheduler, epoch, step_in_epoch), tmp)
+        os.replace(tmp, path)
 
 
-def save_swallows_errors(path, model, optimizer, step):
+def save_swallows_errors(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank != 0:
+        return
     tmp = path + ".tmp"
     try:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "step": step}, tmp)
+        torch.save(_state(model, optimizer, scheduler, epoch, step_in_epoch), tmp)
         os.replace(tmp, path)
     except Exception as e:  # "a failed checkpoint must not stop training"
         print("checkpoint failed:", e)
@@ -264,11 +377,16 @@ def save_swallows_errors(path, model, optimizer, step):
             os.unlink(tmp)
 
 
-@pytest.mark.parametrize("save", [save_right, save_with_named_temp_beside], ids=lambda f: f.__name__)
-def test_resumable_accepts_atomic_save_and_safe_load(save, capsys, no_leftover_processes):
-    check_resumable(save, load_right)
+@pytest.mark.parametrize("save, load, batches", [
+    (save_right, load_right, batches_right),
+    (save_with_named_temp_beside, load_as_list, batches_by_skipping),
+], ids=["islice", "named_temp_list_generator"])
+def test_resumable_accepts_a_resume_in_the_middle_of_an_epoch(save, load, batches, capsys,
+                                                              no_leftover_processes):
+    check_resumable(save, load, batches)
     out = capsys.readouterr().out
     assert "a crash during a save keeps the previous checkpoint" in out
+    assert "trained on exactly the uninterrupted run's batches" in out
     assert "final model bit-identical to the uninterrupted run's" in out
     assert "[PASS] 06.b resumable training" in out
 
@@ -276,8 +394,19 @@ def test_resumable_accepts_atomic_save_and_safe_load(save, capsys, no_leftover_p
 @pytest.mark.parametrize("save, load, message", [
     (save_in_place, load_right, r"a crash in the middle of a save destroyed the previous checkpoint"),
     (save_model_only, load_model_only, r"the optimizer has no state: Adam's moments"),
+    (save_without_scheduler, load_without_scheduler, r"LR scheduler counts 0 steps.*saved one 3.*"
+                                                     r"scheduler\.state_dict\(\)"),
+    (save_on_every_rank, load_right, r"rank=1, \.\.\.\) wrote .*They race.*saving on every rank to the same "
+                                     r"path.*`if rank != 0: return`"),
+    (save_right, load_without_map_location, r"saved on a GPU machine cannot be loaded here.*"
+                                            r"torch\.load without map_location"),
+    (save_epoch_only, load_epoch_only, r"saved at \(2, 3\), load_checkpoint returned \(2, 0\): "
+                                       r"resuming at the start of epoch 2"),
+    (save_right, load_epoch_number, r"returned only the epoch \(2\).*train its first 3 batches a "
+                                    r"second time"),
     (save_right, load_unsafe, r"ran the code hidden in it.*weights_only=True"),
-    (save_right, load_next_step, r"saved at step 7, load_checkpoint returned 8"),
+    (save_right, load_next_step, r"saved at \(epoch, step_in_epoch\) = \(2, 3\), load_checkpoint "
+                                 r"returned \(2, 4\)"),
     (save_right, load_returns_nothing, r"load_checkpoint returned None"),
     (save_right, load_into_new_model, r"parameters after load_checkpoint differ"),
     (save_whole_objects, load_right, r"cannot be read with torch.load\(\.\.\., weights_only=True\)"),
@@ -291,14 +420,54 @@ def test_resumable_accepts_atomic_save_and_safe_load(save, capsys, no_leftover_p
 ])
 def test_resumable_rejects_usual_mistakes(save, load, message):
     with pytest.raises(CheckFailed, match=message):
-        check_resumable(save, load)
+        check_resumable(save, load, batches_right)
 
 
-def test_resumed_run_comparison_catches_a_resume_that_loses_the_optimizer(tmp_path,
-                                                                          no_leftover_processes):
-    """The distributed half on its own: a resume without Adam's state ends elsewhere."""
-    with pytest.raises(CheckFailed, match=r"differs from the uninterrupted run's by up to"):
-        ch06._compare_resumed_run(save_model_only, load_model_only, str(tmp_path))
+@pytest.mark.parametrize("batches, message", [
+    (batches_from_epoch_start, r"(?s)resumed from \(epoch, step_in_epoch\) = \(1, 2\).*began epoch 1 "
+                               r"again from its first batch.*trained twice.*resuming at the start "
+                               r"of the epoch.*islice"),
+    (batches_no_set_epoch_on_resume, r"(?s)its batches of epoch 1 are those of epoch 0.*forgetting "
+                                     r"set_epoch on resume"),
+    (batches_skip_one_more, r"(?s)1 batch\(es\) were never trained on.*skip exactly step_in_epoch"),
+    (lambda loader, epoch, step: loader, r"(?s)those of epoch 0.*forgetting set_epoch.*began at batch 0 "
+                                         r"of the epoch, not at batch 2"),
+])
+def test_resumable_rejects_a_resume_at_the_wrong_sampler_position(batches, message,
+                                                                  no_leftover_processes):
+    """The distributed half: the resumed run must train on exactly the batches still due."""
+    with pytest.raises(CheckFailed, match=message):
+        check_resumable(save_right, load_right, batches)
+
+
+def test_resumable_compares_the_killed_runs_final_state(no_leftover_processes):
+    """An answer that passes the one-process part but drops Adam's state while training (only
+    when a process group exists) is caught by the final comparison of the killed-and-resumed run."""
+
+    def save_no_optimizer_in_training(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+        state = _state(model, optimizer, scheduler, epoch, step_in_epoch)
+        if dist.is_initialized():
+            del state["optimizer"]
+        if rank == 0:
+            try:
+                torch.save(state, path + ".tmp")
+                os.replace(path + ".tmp", path)
+            except BaseException:
+                os.unlink(path + ".tmp")
+                raise
+
+    def load_what_is_there(path, model, optimizer, scheduler):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        if "optimizer" in state:
+            optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        return state["epoch"], state["step_in_epoch"]
+
+    with pytest.raises(CheckFailed, match=r"(?s)the model of the run that was killed at global step "
+                                          r"10 and resumed from \(1, 2\) differs.*optimizer or the "
+                                          r"LR scheduler state"):
+        check_resumable(save_no_optimizer_in_training, load_what_is_there, batches_right)
 
 
 def test_resumable_stub_is_not_done_yet():
@@ -306,4 +475,4 @@ def test_resumable_stub_is_not_done_yet():
         raise NotImplementedError("Exercise 06.b resumable training: replace this line with your code")
 
     with pytest.raises(CheckFailed, match=r"not done yet.*06\.b resumable training"):
-        check_resumable(stub, stub)
+        check_resumable(stub, stub, stub)

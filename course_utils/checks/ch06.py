@@ -5,11 +5,14 @@
   of the cluster the exercise describes. The arguments are first read with torchrun's own parser
   (fast, precise messages), then both commands run for real as two simulated nodes on this
   machine, and every worker's environment is compared with what the cluster needs.
-- ``check_resumable(save_checkpoint, load_checkpoint)``: the two functions must make training
-  resumable. Checked in one process (what is saved and restored, a crash in the middle of a save,
-  ``weights_only``), then for real: two DDP workers train, rank 1 is killed with SIGKILL
-  mid-run, a second launch resumes from the checkpoint, and the final model must equal an
-  uninterrupted run's.
+- ``check_resumable(save_checkpoint, load_checkpoint, epoch_batches)``: the three pieces of a
+  training loop that survives a killed worker, in the middle of an epoch.  Checked in one process
+  (what is saved and restored, only rank 0 writing, a crash in the middle of a save, a checkpoint
+  written on a GPU machine, ``weights_only``), then for real: two DDP workers train 3 epochs of a
+  ``DistributedSampler`` (Adam, StepLR), rank 1 is killed with SIGKILL in the middle of epoch 1, a
+  second launch resumes from the checkpoint, and it must train on exactly the batches the
+  uninterrupted run trained on from there (sample ids compared batch by batch: none repeated,
+  none skipped), ending with the same model, optimizer state and learning rate.
 
 Misconceptions recognised (tests/test_ch06_checks.py, the wrong answer in brackets).
 06.a: "--nproc_per_node is the number of GPUs in the cluster" [commands_total_gpus]; "--nnodes counts
@@ -17,13 +20,18 @@ GPUs" [commands_nnodes_is_gpus]; a rendezvous id per node [commands_id_per_node]
 endpoint on every node [commands_localhost_everywhere]; ``--standalone`` on a cluster
 [commands_standalone]; no restarts [commands_no_restart]; script arguments before the script
 [commands_args_before_script]; a command that is one string [commands_one_string].
-06.b: torch.save straight onto the checkpoint [save_in_place]; the model without the optimizer
-[save_model_only]; loading with weights_only=False [load_unsafe]; returning step + 1
-[load_next_step]; loading into a copy [load_into_new_model]; whole objects saved
+06.b: torch.save straight onto the checkpoint [save_in_place]; the position without the optimizer
+[save_model_only] or without the LR scheduler [save_without_scheduler]; every rank saving to the
+same path [save_on_every_rank]; loading without map_location [load_without_map_location]; loading
+with weights_only=False [load_unsafe]; "resume at the start of the epoch": only the epoch saved
+[load_epoch_only], or the batches already done not skipped [batches_from_epoch_start]; forgetting
+set_epoch on resume [batches_no_set_epoch_on_resume]; skipping one batch too many
+[batches_skip_one_more]; loading into a copy [load_into_new_model]; whole objects saved
 [save_whole_objects]; a temporary file in /tmp, renamed across filesystems [save_via_system_temp,
 save_via_system_temp_and_move]; a failed save that leaves its temporary file
 [save_leaves_temp_on_failure] or hides its error [save_swallows_errors].  Accepted: a temporary
-name beside the checkpoint, or tempfile.NamedTemporaryFile(dir=that folder).
+name beside the checkpoint, or tempfile.NamedTemporaryFile(dir=that folder); the remaining
+batches by itertools.islice or by a loop that skips them; the position as a tuple or a list.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import contextlib
 import errno
 import gc
 import io
+import itertools
 import json
 import os
 import shlex
@@ -47,10 +56,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.run import get_args_parser
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ..checking import CheckFailed, checker, diff_table, format_table, require_callable, run_workers
 from ..data import make_dataset, make_model
 from ..devices import backend_and_device, process_group_kwargs
+from ..diagnose import IndexedDataset
 from ..workers.commands import run_commands
 from ..workers.supervisor import WorkerError, free_port, launch
 
@@ -229,9 +240,13 @@ def check_launch_commands(make_commands: Callable[..., dict]) -> None:
 # 06.b resumable training
 # --------------------------------------------------------------------------------------------
 
-STEPS = 12          # steps of the distributed run
-SAVE_EVERY = 3      # rank 0 saves after steps 3, 6, 9, 12
-KILL_AT = 7         # rank 1 is killed (SIGKILL) at the start of this step in the first attempt
+# The distributed run: 2 ranks, 96 samples, batches of 8 per rank, so 6 steps per epoch, 3 epochs.
+# Adam (state that a resume must bring back) and StepLR (halves the LR every 5 steps).
+N_SAMPLES, BATCH, EPOCHS = 96, 8, 3
+STEPS_PER_EPOCH = N_SAMPLES // (2 * BATCH)
+SAVE_EVERY = 4      # every rank calls save_checkpoint after global steps 4, 8, 12, 16
+KILL_AT = 10        # rank 1 is killed (SIGKILL) before global step 10 (epoch 1, batch 4)
+LR, LR_EVERY, LR_GAMMA = 3e-3, 5, 0.5
 ATOL = 1e-6         # CPU runs are bit-identical; a GPU may reorder a reduction
 
 
@@ -254,18 +269,41 @@ class _RunsCodeWhenLoaded:
 
 def _planted_checkpoint(path: str, marker: str) -> None:
     """A checkpoint that creates ``marker`` when loaded with weights_only=False."""
-    torch.save({"model": {}, "optimizer": {}, "step": 0, "extra": _RunsCodeWhenLoaded(marker)},
-               path)
+    torch.save({"model": {}, "optimizer": {}, "scheduler": {}, "epoch": 0, "step_in_epoch": 0,
+                "extra": _RunsCodeWhenLoaded(marker)}, path)
 
 
-def _train_some(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+def _saved_on_a_gpu(src: str, dst: str) -> None:
+    """Rewrite the checkpoint ``src`` as a GPU machine would have written it, into ``dst``.
 
+    Every storage is tagged with a GPU this machine lacks (``cuda:0`` without CUDA, else the GPU
+    one past the last): ``torch.load`` without ``map_location`` fails on it, as it does on a CPU
+    machine given a checkpoint saved from GPU tensors.  The old (non-zip) format keeps the tag as
+    one short pickled string, so it can be replaced in place.
+    """
+    state = torch.load(src, map_location="cpu", weights_only=True)
+    buf = io.BytesIO()
+    torch.save(state, buf, _use_new_zipfile_serialization=False)
+    tag = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}".encode()
+    raw = buf.getvalue().replace(b"X\x03\x00\x00\x00cpu", b"X" + len(tag).to_bytes(4, "little") + tag)
+    Path(dst).write_bytes(raw)
+
+
+def _setup(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    model = make_model(seed=seed)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=LR_EVERY, gamma=LR_GAMMA)
+
+
+def _train_some(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int,
+                seed: int) -> None:
     x, y = make_dataset(256, seed=seed).tensors
     for s in range(steps):
         rows = slice(32 * s, 32 * (s + 1))
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        F.cross_entropy(model(x[rows]), y[rows]).backward()
         opt.step()
+        sched.step()
 
 
 def _opt_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -281,18 +319,43 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def _position(value: Any, saved: tuple[int, int]) -> tuple[int, int]:
+    """``load_checkpoint``'s return value as (epoch, step_in_epoch), or CheckFailed."""
+    e, s = saved
+    if value is None:
+        raise CheckFailed(f"load_checkpoint returned None; return (epoch, step_in_epoch) as saved "
+                          f"({saved} here): where the training loop continues")
+    if (not isinstance(value, (tuple, list)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        if isinstance(value, int) and value == e:
+            raise CheckFailed(
+                f"load_checkpoint returned only the epoch ({value}): training would resume at the "
+                f"start of epoch {e} and train its first {s} batches a second time (each of their "
+                "samples seen twice). Save step_in_epoch too and return (epoch, step_in_epoch)")
+        raise CheckFailed(f"load_checkpoint returned {value!r}; return the tuple (epoch, "
+                          f"step_in_epoch) of two ints, as saved ({saved} here)")
+    got = (int(value[0]), int(value[1]))
+    if got == (e, 0) and s:
+        raise CheckFailed(
+            f"saved at {saved}, load_checkpoint returned {got}: resuming at the start of epoch {e} "
+            f"trains its first {s} batches a second time (their samples seen twice, the model "
+            "stepped twice on them). Save step_in_epoch and return it as saved")
+    if got != (e, s):
+        raise CheckFailed(f"saved at (epoch, step_in_epoch) = {saved}, load_checkpoint returned "
+                          f"{got}; return them exactly as saved (the loop continues from there)")
+    return got
+
+
 def _single_process_checks(save_fn: Callable, load_fn: Callable, tmp: str) -> bool:
-
     path = os.path.join(tmp, "ckpt.pt")
-    model = make_model(seed=1)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    _train_some(model, opt, 3, seed=0)
+    model, opt, sched = _setup(seed=1)
+    _train_some(model, opt, sched, 3, seed=0)
 
-    # a. Save, then load into a fresh model and a fresh optimizer.
-    save_fn(path, model, opt, 7)
+    # a. Save on rank 0, then load into a fresh model, optimizer and scheduler.
+    save_fn(path, 0, model, opt, sched, 2, 3)
     if not os.path.exists(path):
         left = os.listdir(tmp)
-        raise CheckFailed(f"save_checkpoint(path, ...) left no file at `path` "
+        raise CheckFailed(f"save_checkpoint(path, 0, ...) left no file at `path` "
                           f"(the folder holds {left}); did the final rename happen?")
     try:
         torch.load(path, map_location="cpu", weights_only=True)
@@ -301,18 +364,8 @@ def _single_process_checks(save_fn: Callable, load_fn: Callable, tmp: str) -> bo
             "the checkpoint cannot be read with torch.load(..., weights_only=True): "
             f"{' '.join(str(e).split())[:200]}. Save state_dicts and plain numbers, not objects "
             "(not the model, not the optimizer itself)") from None
-    fresh = make_model(seed=2)
-    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
-    step = load_fn(path, fresh, fresh_opt)
-    if step is None:
-        raise CheckFailed("load_checkpoint returned None; return the step stored in the "
-                          "checkpoint (7 here), where training continues")
-    if not isinstance(step, int) or isinstance(step, bool):
-        raise CheckFailed(f"load_checkpoint returned {step!r} ({type(step).__name__}); return "
-                          "the stored step as an int")
-    if step != 7:
-        raise CheckFailed(f"saved at step 7, load_checkpoint returned {step}; return the step "
-                          "exactly as saved (the loop continues with that step)")
+    fresh, fresh_opt, fresh_sched = _setup(seed=2)
+    _position(load_fn(path, fresh, fresh_opt, fresh_sched), (2, 3))
     rows = diff_table(_state(model), _state(fresh))
     if any(d != 0 for _, d, _ in rows):
         raise CheckFailed("the model's parameters after load_checkpoint differ from the saved "
@@ -324,23 +377,45 @@ def _single_process_checks(save_fn: Callable, load_fn: Callable, tmp: str) -> bo
         raise CheckFailed(
             "after load_checkpoint the optimizer has no state: Adam's moments (exp_avg, "
             "exp_avg_sq) and step counts are lost, so the resumed run takes different steps. "
-            "Usual mistake: saving only model.state_dict(); save optimizer.state_dict() too and "
-            "restore it with optimizer.load_state_dict")
+            "Usual mistake: saving only the model and the position; save optimizer.state_dict() "
+            "too and restore it with optimizer.load_state_dict")
     rows = diff_table(expected, got)
     if any(d != 0 for _, d, _ in rows):
         raise CheckFailed("the optimizer's state after load_checkpoint differs from the saved "
                           "one:\n" + format_table(rows, 0.0))
+    want, have = sched.state_dict(), fresh_sched.state_dict()
+    if (want["last_epoch"], want["_last_lr"]) != (have["last_epoch"], have["_last_lr"]):
+        raise CheckFailed(
+            f"after load_checkpoint the LR scheduler counts {have['last_epoch']} steps (learning "
+            f"rate {have['_last_lr'][0]:g}), the saved one {want['last_epoch']} "
+            f"({want['_last_lr'][0]:g}): a fresh scheduler decays the learning rate at other steps "
+            "than the interrupted run would have. Usual mistake: saving the position but not "
+            "scheduler.state_dict(); save it and restore it with scheduler.load_state_dict")
 
-    # b. A crash in the middle of the next save must leave the step-7 checkpoint readable.
+    # b. Only rank 0 writes: the loop calls save_checkpoint on every rank.
+    other = os.path.join(tmp, "rank1", "ckpt.pt")
+    os.makedirs(os.path.dirname(other))
+    save_fn(other, 1, model, opt, sched, 2, 3)
+    written = os.listdir(os.path.dirname(other))
+    if written:
+        raise CheckFailed(
+            f"save_checkpoint(path, rank=1, ...) wrote {written}: the loop calls save_checkpoint "
+            "on every rank, so every rank writes the same file at the same moment. They race: "
+            "with a shared temporary name their writes interleave into a corrupt file, and with "
+            "separate ones the same state is still written once per rank. Usual mistake: saving "
+            "on every rank to the same path; "
+            "write on rank 0 only (`if rank != 0: return`)")
+
+    # c. A crash in the middle of the next save must leave the previous checkpoint readable.
     opt.param_groups[0]["crash_during_save"] = _ExplodesWhenSaved()
     raised = False
     try:
-        save_fn(path, model, opt, 8)
+        save_fn(path, 0, model, opt, sched, 2, 4)
     except Exception:
         raised = True  # expected: the save failed
     finally:
         del opt.param_groups[0]["crash_during_save"]
-    left_behind = sorted(set(os.listdir(tmp)) - {"ckpt.pt"})
+    left_behind = sorted(set(os.listdir(tmp)) - {"ckpt.pt", "rank1"})
     try:
         torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -349,28 +424,44 @@ def _single_process_checks(save_fn: Callable, load_fn: Callable, tmp: str) -> bo
             f"torch.load says {' '.join(str(e).split())[:160]!r}. Usual mistake: torch.save "
             "straight to `path`, which empties the old file first. Write to a temporary file in "
             "the same folder, then os.replace(tmp, path)") from None
-    again = load_fn(path, make_model(seed=2), torch.optim.Adam(make_model(seed=2).parameters()))
-    if again != 7:
-        raise CheckFailed(f"after a save that crashed, load_checkpoint returned step {again}; "
-                          "the previous checkpoint (step 7) should still be there, untouched")
+    again = load_fn(path, *_setup(seed=2))
+    if tuple(again) != (2, 3):
+        raise CheckFailed(f"after a save that crashed, load_checkpoint returned {again}; the "
+                          "previous checkpoint (2, 3) should still be there, untouched")
     if not raised:
         raise CheckFailed(
             "torch.save raised inside save_checkpoint (a simulated crash in the middle of the "
-            "write), but save_checkpoint returned normally: the training loop then believes step 8 "
-            "is saved. Clean up and re-raise (`except BaseException: os.unlink(tmp); raise`).")
+            "write), but save_checkpoint returned normally: the training loop then believes "
+            "this position is saved. Clean up and re-raise (`except BaseException: "
+            "os.unlink(tmp); raise`).")
     if left_behind:
         raise CheckFailed(
             f"a save that failed left {left_behind} beside the checkpoint; every crashed save would "
             "leave one more. Remove the temporary file when the save fails (`except "
             "BaseException: os.unlink(tmp); raise`).")
-    other_fs = _check_other_filesystem(save_fn, model, opt)
+    other_fs = _check_other_filesystem(save_fn, model, opt, sched)
 
-    # c. weights_only: a planted file must not run code when loaded.
+    # d. A checkpoint written on a GPU machine, loaded here.
+    gpu = os.path.join(tmp, "from-gpu.pt")
+    _saved_on_a_gpu(path, gpu)
+    try:
+        load_fn(gpu, *_setup(seed=2))
+    except RuntimeError as e:
+        if "deserialize object on" not in str(e):
+            raise
+        raise CheckFailed(
+            "a checkpoint saved on a GPU machine cannot be loaded here: torch.load puts every "
+            "tensor back on the device it was saved from (the saving rank's GPU), which this "
+            "machine lacks; on a GPU cluster every rank would load onto that one GPU. Usual "
+            "mistake: torch.load without map_location. Load onto this rank's device: "
+            "torch.load(path, map_location=next(model.parameters()).device, "
+            "weights_only=True)") from None
+
+    # e. weights_only: a planted file must not run code when loaded.
     planted, marker = os.path.join(tmp, "planted.pt"), os.path.join(tmp, "code_ran")
     _planted_checkpoint(planted, marker)
     try:
-        load_fn(planted, make_model(seed=3),
-                torch.optim.Adam(make_model(seed=3).parameters(), lr=1e-2))
+        load_fn(planted, *_setup(seed=3))
     except Exception:
         pass  # refusing the file is the right outcome
     if os.path.exists(marker):
@@ -389,7 +480,7 @@ _CROSS_FS = ("the temporary file was created on another filesystem than the chec
              "tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path))).")
 
 
-def _check_other_filesystem(save_fn: Callable, model: torch.nn.Module, opt) -> bool:
+def _check_other_filesystem(save_fn: Callable, model: torch.nn.Module, opt, sched) -> bool:
     """Save into a folder on another filesystem than the temp folder (/dev/shm, a tmpfs).
 
     Returns whether this machine had such a second filesystem to try.
@@ -410,7 +501,7 @@ def _check_other_filesystem(save_fn: Callable, model: torch.nn.Module, opt) -> b
         target = os.path.join(other, "ckpt.pt")
         os.replace, os.rename = recording("replace"), recording("rename")
         try:
-            save_fn(target, model, opt, 9)
+            save_fn(target, 0, model, opt, sched, 2, 5)
         except OSError as e:
             if e.errno != errno.EXDEV:
                 raise
@@ -426,85 +517,170 @@ def _check_other_filesystem(save_fn: Callable, model: torch.nn.Module, opt) -> b
     return True
 
 
-def _resumable_worker(save_fn: Callable, load_fn: Callable, path: str, attempt: int,
-                      kill_at: int) -> dict:
-    """Train the course model with DDP; rank 1 dies at ``kill_at`` in attempt 0."""
+def _reference_batches(loader: DataLoader, epoch: int, step_in_epoch: int):
+    loader.sampler.set_epoch(epoch)
+    return itertools.islice(loader, step_in_epoch, None)
 
 
+def _resumable_worker(save_fn: Callable | None, load_fn: Callable | None,
+                      batches_fn: Callable | None, path: str, attempt: int) -> dict:
+    """Train with DDP for EPOCHS epochs; rank 1 dies before global step KILL_AT in attempt 0.
+
+    ``batches_fn`` None is the reference: the checker's own loop, never saved nor interrupted.
+    Returns where the run started, the sample ids of every batch it trained on (with their
+    epoch and position), and the final model, optimizer state and learning rate.
+    """
     backend, device = backend_and_device()
     dist.init_process_group(**process_group_kwargs(backend, device))
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model(seed=0).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    start = 0
-    if os.path.exists(path):
-        start = load_fn(path, model, opt)
+    model, opt, sched = _setup(seed=0)
+    model = model.to(device)
+    start = (0, 0)
+    if load_fn is not None and os.path.exists(path):
+        start = tuple(load_fn(path, model, opt, sched))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    x, y = make_dataset(2048, seed=0).tensors
-    for step in range(start, STEPS):
-        if attempt == 0 and step == kill_at and rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # no exception, no clean-up: the process is gone
-        g = torch.Generator().manual_seed(step)  # the batch depends on the step alone
-        rows = torch.randperm(len(x), generator=g)[:64][rank::world]
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(ddp(x[rows].to(device)), y[rows].to(device)).backward()
-        opt.step()
-        if (step + 1) % SAVE_EVERY == 0 and rank == 0:
-            save_fn(path, model, opt, step + 1)
-        dist.barrier()  # a checkpoint is complete before any rank passes it
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    dataset = IndexedDataset(make_dataset(N_SAMPLES, seed=0))
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    seen: list[tuple[int, int, list[int]]] = []
+    first_epoch, first_step = start
+    for epoch in range(first_epoch, EPOCHS):
+        step = first_step if epoch == first_epoch else 0
+        batches = (_reference_batches if batches_fn is None else batches_fn)(loader, epoch, step)
+        for x, y, ids in batches:
+            global_step = epoch * STEPS_PER_EPOCH + step
+            if attempt == 0 and global_step == KILL_AT and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # no exception, no clean-up: the process is gone
+            seen.append((epoch, step, ids.tolist()))
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
+            opt.step()
+            sched.step()
+            step += 1
+            if save_fn is not None and (global_step + 1) % SAVE_EVERY == 0:
+                save_fn(path, rank, model, opt, sched, epoch, step)  # on every rank, as loops do
+            dist.barrier()  # a checkpoint is complete before any rank passes it
+    out = {"start": start, "seen": seen, "state": _state(model), "opt": _opt_tensors(opt),
+           "lr": sched.get_last_lr()[0]}
     del ddp  # the reducer holds the process group; release it before destroying the group
     gc.collect()
     dist.destroy_process_group()
-    return {"start": start, "state": state}
+    return out
 
 
-def _compare_resumed_run(save_fn: Callable, load_fn: Callable, tmp: str) -> None:
-    """Uninterrupted run vs. a run whose rank 1 is killed and then resumed."""
+def _explain_samples(rank: int, got: list, ref: list, start: tuple[int, int]) -> str | None:
+    """Why the resumed run's batches on ``rank`` differ from the uninterrupted run's, or None."""
+    offset = start[0] * STEPS_PER_EPOCH + start[1]
+    expected = ref[offset:]
+    if [ids for *_, ids in got] == [ids for *_, ids in expected]:
+        return None
+    e, s = start
+    epoch_start = ref[e * STEPS_PER_EPOCH][2]
+    first = got[0][2] if got else []
+    head = (f"rank {rank} resumed from (epoch, step_in_epoch) = {start}, but the batches it then "
+            "trained on are not the ones the uninterrupted run trained on from there")
+    if s and first == epoch_start:
+        repeated = sorted(i for _, _, ids in ref[e * STEPS_PER_EPOCH:offset] for i in ids)
+        return (f"{head}: it began epoch {e} again from its first batch, so the {len(repeated)} "
+                f"samples of its first {s} batches (ids {repeated[:6]}...), trained before the "
+                "checkpoint, were trained twice.\nUsual mistake: resuming at the start of the "
+                "epoch. Skip the batches already done: itertools.islice(loader, step_in_epoch, "
+                "None), after loader.sampler.set_epoch(epoch)")
+    later = [k for k in range(offset + 1, len(ref)) if ref[k][2] == first]
+    if later:
+        skipped = later[0] - offset
+        return (f"{head}: its first batch is the uninterrupted run's batch {ref[later[0]][1]} of "
+                f"epoch {ref[later[0]][0]}, so {skipped} batch(es) were never trained on.\n"
+                "Usual mistake: skipping one batch too many; skip exactly step_in_epoch batches")
+    epoch0 = [ids for _, _, ids in ref[:STEPS_PER_EPOCH]]
+    if e and first in epoch0:
+        k = epoch0.index(first)
+        also = ("" if k == s else f" It also began at batch {k} of the epoch, not at batch {s}: "
+                "skip exactly step_in_epoch batches (itertools.islice(loader, step_in_epoch, None)).")
+        return (f"{head}: its batches of epoch {e} are those of epoch 0 (the sampler still shuffles "
+                "with epoch 0's seed).\nUsual mistake: forgetting set_epoch on resume. "
+                "DistributedSampler shuffles with seed + epoch, and the epoch only changes when "
+                "you call loader.sampler.set_epoch(epoch) before iterating: call it on the resumed "
+                "epoch too, then skip the batches already done." + also)
+    k = next((i for i, (a, b) in enumerate(zip(got, expected)) if a[2] != b[2]),
+             min(len(got), len(expected)))
+    where = (f"epoch {expected[k][0]}, batch {expected[k][1]}" if k < len(expected)
+             else "the end of training")
+    return (f"{head}: the first difference is at {where} ({len(got)} batches trained after the "
+            f"resume, expected {len(expected)}).\nUsual mistake: the sampler's epoch or position "
+            "not restored: call loader.sampler.set_epoch(epoch) every epoch, and on the resumed "
+            "epoch skip the first step_in_epoch batches")
 
+
+def _compare_resumed_run(save_fn: Callable, load_fn: Callable, batches_fn: Callable,
+                         tmp: str) -> None:
+    """Uninterrupted run vs. a run whose rank 1 is killed mid-epoch and then resumed."""
     quiet = {"OMP_NUM_THREADS": "1"}
-    ref = run_workers(_resumable_worker, 2, args=(save_fn, load_fn, os.path.join(tmp, "ref.pt"), 0, -1),
-                      timeout=120, env=quiet)
+    ref = run_workers(_resumable_worker, 2, args=(None, None, None, "", -1), timeout=120, env=quiet)
     path = os.path.join(tmp, "resumed.pt")
+    args = (save_fn, load_fn, batches_fn, path)
     try:
-        launch(_resumable_worker, 2, args=(save_fn, load_fn, path, 0, KILL_AT), timeout=120,
-               env=quiet, display=None)
-        raise CheckFailed(f"rank 1 should have been killed at step {KILL_AT}, but the run finished")
+        launch(_resumable_worker, 2, args=(*args, 0), timeout=120, env=quiet, display=None)
+        raise CheckFailed(f"rank 1 should have been killed at global step {KILL_AT}, but the run "
+                          "finished: did epoch_batches yield every batch of each epoch?")
     except WorkerError as e:
         if 1 not in e.failed_ranks or e.failures[1].kind != "signal":
             raise CheckFailed(f"the first attempt failed in an unexpected way:\n{e}") from None
     if not os.path.exists(path):
         raise CheckFailed("after the first attempt there is no checkpoint to resume from")
-    resumed = run_workers(_resumable_worker, 2, args=(save_fn, load_fn, path, 1, KILL_AT),
-                          timeout=120, env=quiet)
-    last_saved = (KILL_AT // SAVE_EVERY) * SAVE_EVERY
+    resumed = run_workers(_resumable_worker, 2, args=(*args, 1), timeout=120, env=quiet)
+    last = (KILL_AT // SAVE_EVERY) * SAVE_EVERY
+    saved = (last // STEPS_PER_EPOCH, last % STEPS_PER_EPOCH)
     for rank, out in enumerate(resumed):
-        if out["start"] != last_saved:
-            raise CheckFailed(f"rank {rank} resumed at step {out['start']}; the last checkpoint "
-                              f"before the kill at step {KILL_AT} was written after step "
-                              f"{last_saved}")
-    rows = diff_table(ref[0]["state"], resumed[0]["state"])
-    worst = max(d for _, d, _ in rows)
-    if worst > ATOL or worst != worst:
-        raise CheckFailed(
-            f"the model of the run that was killed at step {KILL_AT} and resumed from step "
-            f"{last_saved} differs from the uninterrupted run's by up to {worst:.3g}:\n"
-            + format_table(rows, ATOL) +
-            "\nUsual mistakes: the optimizer state or the step not saved or not restored")
-    exact = all(e for _, _, e in rows)
-    print(f"  rank 1 killed (SIGKILL) at step {KILL_AT}; resumed from step {last_saved}; final "
-          f"model {'bit-identical to' if exact else f'within {worst:.1g} of'} the uninterrupted run's")
+        if out["start"] != saved:
+            raise CheckFailed(f"rank {rank} resumed at (epoch, step_in_epoch) = {out['start']}; the "
+                              f"last checkpoint before the kill (global step {KILL_AT}) was written "
+                              f"at {saved}")
+    for rank in range(2):
+        why = _explain_samples(rank, resumed[rank]["seen"], ref[rank]["seen"], saved)
+        if why:
+            raise CheckFailed(why)
+    hint = ("\nUsual mistakes: the optimizer or the LR scheduler state not saved or not restored")
+    for what, key in (("model", "state"), ("optimizer state", "opt")):
+        rows = diff_table(ref[0][key], resumed[0][key])
+        worst = max((d for _, d, _ in rows), default=float("inf"))
+        if worst > ATOL or worst != worst:
+            raise CheckFailed(
+                f"the {what} of the run that was killed at global step {KILL_AT} and resumed from "
+                f"{saved} differs from the uninterrupted run's by up to {worst:.3g}:\n"
+                + format_table(rows, ATOL) + hint)
+    if abs(ref[0]["lr"] - resumed[0]["lr"]) > 1e-12:
+        raise CheckFailed(f"the resumed run ends with learning rate {resumed[0]['lr']:g}, the "
+                          f"uninterrupted one with {ref[0]['lr']:g}" + hint)
+    exact = all(e for _, _, e in diff_table(ref[0]["state"], resumed[0]["state"]))
+    print(f"  rank 1 killed (SIGKILL) in epoch {KILL_AT // STEPS_PER_EPOCH}, batch "
+          f"{KILL_AT % STEPS_PER_EPOCH}; resumed from (epoch, step_in_epoch) = {saved}: every rank "
+          "trained on exactly the uninterrupted run's batches; final model "
+          f"{'bit-identical to' if exact else 'within tolerance of'} the uninterrupted run's, "
+          "optimizer state and learning rate equal")
 
 
 @checker("06.b resumable training")
-def check_resumable(save_checkpoint: Callable, load_checkpoint: Callable) -> None:
-    require_callable(save_checkpoint, "save_checkpoint(path, model, optimizer, step)")
-    require_callable(load_checkpoint, "load_checkpoint(path, model, optimizer) -> step")
+def check_resumable(save_checkpoint: Callable, load_checkpoint: Callable,
+                    epoch_batches: Callable) -> None:
+    """Check the three pieces of a resumable training loop, alone and in a killed-and-resumed run.
+
+    ``save_checkpoint(path, rank, model, optimizer, scheduler, epoch, step_in_epoch)`` is called on
+    every rank; ``load_checkpoint(path, model, optimizer, scheduler)`` returns ``(epoch,
+    step_in_epoch)``; ``epoch_batches(loader, epoch, step_in_epoch)`` returns the batches of
+    ``epoch`` that remain after the first ``step_in_epoch``.
+    """
+    require_callable(save_checkpoint, "save_checkpoint(path, rank, model, optimizer, scheduler, "
+                                      "epoch, step_in_epoch)")
+    require_callable(load_checkpoint, "load_checkpoint(path, model, optimizer, scheduler) -> "
+                                      "(epoch, step_in_epoch)")
+    require_callable(epoch_batches, "epoch_batches(loader, epoch, step_in_epoch)")
     with tempfile.TemporaryDirectory(prefix="check-06b-") as tmp:
         other_fs = _single_process_checks(save_checkpoint, load_checkpoint, tmp)
-        print("  one process: model, optimizer and step restored; a crash during a save keeps "
-              "the previous checkpoint, raises and leaves no temporary file; a planted file runs "
-              "no code" + ("; a save onto another filesystem than the temp folder (/dev/shm) "
-                           "renames within it" if other_fs else ""))
+        print("  one process: model, optimizer, scheduler and position restored; only rank 0 "
+              "writes; a crash during a save keeps the previous checkpoint, raises and leaves no "
+              "temporary file; a GPU checkpoint loads here; a planted file runs no code"
+              + ("; a save onto another filesystem than the temp folder (/dev/shm) renames within "
+                 "it" if other_fs else ""))
     with tempfile.TemporaryDirectory(prefix="check-06b-") as tmp:
-        _compare_resumed_run(save_checkpoint, load_checkpoint, tmp)
+        _compare_resumed_run(save_checkpoint, load_checkpoint, epoch_batches, tmp)
