@@ -10,6 +10,7 @@ import random
 import sys
 
 import cloudpickle
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -141,10 +142,123 @@ class LenCountsAllRanks(Right):
         return len(self.steps()) * self.num_replicas
 
 
-def test_accepts_right_answer(capsys, no_leftover_processes):
-    check_bucket_sampler(Right)
+class NumpyContiguousSlices:
+    """Written with numpy: a permutation from default_rng(seed + epoch), buckets sorted with
+    argsort, and rank r takes the r-th contiguous slice of each step."""
+
+    def __init__(self, lengths, batch_size, num_replicas=None, rank=None, seed=0):
+        self.lengths = np.asarray(lengths)
+        self.batch_size, self.seed, self.epoch = batch_size, seed, 0
+        self.num_replicas = num_replicas if num_replicas is not None else dist.get_world_size()
+        self.rank = rank if rank is not None else dist.get_rank()
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def _steps(self):
+        rng = np.random.default_rng(self.seed + self.epoch)
+        perm = rng.permutation(len(self.lengths))
+        step = self.batch_size * self.num_replicas
+        n_steps = len(perm) // step
+        perm = perm[:n_steps * step]  # the incomplete last step dropped
+        steps = []
+        for first in range(0, n_steps * step, 8 * step):  # buckets of 8 steps
+            bucket = perm[first:first + 8 * step]
+            bucket = bucket[np.argsort(self.lengths[bucket], kind="stable")]
+            steps += list(bucket.reshape(-1, step))
+        return [steps[k] for k in rng.permutation(len(steps))]
+
+    def __iter__(self):
+        b = self.batch_size
+        for step in self._steps():
+            yield step[self.rank * b:(self.rank + 1) * b].tolist()
+
+    def __len__(self):
+        return len(self.lengths) // (self.batch_size * self.num_replicas)
+
+
+class BatchesDealtRoundRobin:
+    """Python only: a random.Random(seed + epoch) instance (not the global random), bucketed
+    batches, their number trimmed to a multiple of the ranks, then batches[rank::num_replicas]."""
+
+    def __init__(self, lengths, batch_size, num_replicas=None, rank=None, seed=0):
+        self.lengths = list(lengths)
+        self.batch_size = batch_size
+        self.num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+        self.rank = dist.get_rank() if rank is None else rank
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def _batches(self):
+        rng = random.Random(self.seed + self.epoch)
+        indices = list(range(len(self.lengths)))
+        rng.shuffle(indices)
+        pool = 50 * self.batch_size
+        batches = []
+        for start in range(0, len(indices), pool):
+            chunk = sorted(indices[start:start + pool], key=lambda i: self.lengths[i])
+            batches += [chunk[i:i + self.batch_size]
+                        for i in range(0, len(chunk) - self.batch_size + 1, self.batch_size)]
+        rng.shuffle(batches)
+        usable = len(batches) - len(batches) % self.num_replicas  # the same count on every rank
+        return batches[:usable]
+
+    def __iter__(self):
+        return iter(self._batches()[self.rank::self.num_replicas])
+
+    def __len__(self):
+        return len(self._batches()) // self.num_replicas
+
+
+@pytest.mark.parametrize("right", [Right, NumpyContiguousSlices, BatchesDealtRoundRobin],
+                         ids=lambda c: c.__name__)
+def test_accepts_right_answers(right, capsys, no_leftover_processes):
+    check_bucket_sampler(right)
     out = capsys.readouterr().out
     assert "[PASS] 05.a bucket sampler" in out
+
+
+class PadsByRepeating(Right):
+    """DistributedSampler(drop_last=False)'s padding: the last step completed with the first
+    samples of the permutation, which then appear twice in the epoch."""
+
+    def steps(self):
+        g = self.generator()
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        step = self.batch_size * self.num_replicas
+        order += order[:-len(order) % step]
+        bucket = step * self.bucket_steps
+        groups = []
+        for start in range(0, len(order), bucket):
+            chunk = sorted(order[start:start + bucket], key=self.lengths.__getitem__)
+            groups += [chunk[i:i + step] for i in range(0, len(chunk), step)]
+        return [groups[k] for k in torch.randperm(len(groups), generator=g).tolist()]
+
+
+class SortedNeverShuffled:
+    """"Sorting by length is the bucketing": sorted once, cut into steps, dealt out; no shuffle."""
+
+    def __init__(self, lengths, batch_size, num_replicas=None, rank=None, seed=0):
+        self.lengths = list(lengths)
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas or dist.get_world_size()
+        self.rank = rank if rank is not None else dist.get_rank()
+        self.seed = seed
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i], i))
+        step = self.batch_size * self.num_replicas
+        for start in range(0, len(order) - step + 1, step):
+            yield order[start:start + step][self.rank::self.num_replicas]
+
+    def __len__(self):
+        return len(self.lengths) // (self.batch_size * self.num_replicas)
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -157,6 +271,10 @@ def test_accepts_right_answer(capsys, no_leftover_processes):
     (GlobalRandom, r"ranks 0 and 1 share \d+ samples.*Python's global random"),
     (IgnoresProcessGroup, r"with num_replicas and rank left out, both ranks got the same batches"),
     (LenCountsAllRanks, r"len\(sampler\) is \d+ but iterating yields \d+ batches"),
+    (PadsByRepeating, r"\d+ samples appear twice in this epoch, while none is left out.*DistributedSampler"
+                      r"\(drop_last=False\).*drop the incomplete last step"),
+    (SortedNeverShuffled, r"batches come in order of length, shortest first, and the same in every "
+                          r"epoch: the data set was sorted once and never shuffled"),
 ])
 def test_rejects_usual_mistakes(wrong, message, no_leftover_processes):
     with pytest.raises(CheckFailed, match="(?s)" + message) as info:

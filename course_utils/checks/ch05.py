@@ -21,7 +21,16 @@ Misconceptions it recognises (tests/test_ch05_bucket_sampler.py, the wrong class
   others wait in their next all-reduce [UnevenBatches];
 - an incomplete batch dropped in every bucket instead of once per round [DropsPerBucket];
 - ``len()`` counting the batches of all ranks [LenCountsAllRanks]; random batches, no bucketing
-  [NoBucketing]; single indices yielded instead of lists [YieldsIndices].
+  [NoBucketing]; single indices yielded instead of lists [YieldsIndices];
+- "pad like DistributedSampler": the last round completed with repeated samples, which then
+  appear twice in the epoch, while the exercise asks for disjoint shards [PadsByRepeating];
+- "sorting by length is all the bucketing needs": the data set sorted once, never shuffled, so
+  every epoch runs from the shortest sequences to the longest [SortedNeverShuffled].
+
+Right answers written differently pass: steps sorted with Python's ``sorted`` and dealt every
+N-th sample [Right]; numpy (``default_rng(seed + epoch)``, ``argsort``) with contiguous slices
+[NumpyContiguousSlices]; bucketed batches from a ``random.Random(seed + epoch)`` instance dealt
+round-robin after trimming their number to a multiple of the ranks [BatchesDealtRoundRobin].
 """
 
 from __future__ import annotations
@@ -115,6 +124,15 @@ def _judge_epoch(per_rank: list[list[list[int]]], world: int, epoch: int, n: int
             bad = [i for i in b if not 0 <= i < n]
             if bad:
                 raise CheckFailed(f"{where}: rank {rank} yielded index {bad[0]}, outside 0..{n - 1}")
+    total = sum(len(b) for batches in per_rank for b in batches)
+    extra = total - len(set().union(*sets))
+    if 0 < extra < world * _BATCH and len(set().union(*sets)) == n:
+        raise CheckFailed(
+            f"{where}: {extra} samples appear twice in this epoch, while none is left out: the last "
+            "round was padded by repeating samples, as DistributedSampler(drop_last=False) does. "
+            "This exercise asks for disjoint shards (a repeated sample counts twice in the "
+            "gradient): drop the incomplete last step instead, fewer than num_replicas x "
+            f"batch_size = {world * _BATCH} samples.")
     for rank, batches in enumerate(per_rank):
         flat = [i for b in batches for i in b]
         if len(flat) != len(set(flat)):
@@ -136,7 +154,8 @@ def _judge_epoch(per_rank: list[list[list[int]]], world: int, epoch: int, n: int
             f"({', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))}). "
             "The ranks with fewer batches finish the epoch first, and the others wait forever in "
             "their next gradient all-reduce. Drop the last few batches so that their number is a "
-            "multiple of num_replicas (or pad, as DistributedSampler does).")
+            "multiple of num_replicas (this exercise asks for disjoint shards, so no padding with "
+            "repeated samples).")
     covered = len(set().union(*sets))
     dropped = n - covered
     if dropped >= world * _BATCH:
@@ -159,6 +178,16 @@ def check_bucket_sampler(BucketBatchSampler: Any, *, timeout: float = 120.0) -> 
             _judge_epoch(per_rank, world, e, len(lengths))
         # Reshuffled every epoch.
         if epochs[1][0] == epochs[0][0]:
+            longest = [max(lengths[i] for i in b) for b in epochs[0][0]]
+            if longest in (sorted(longest), sorted(longest, reverse=True)):
+                raise CheckFailed(
+                    f"world size {world}: rank 0's batches come in order of length, "
+                    f"{'shortest' if longest == sorted(longest) else 'longest'} first, and the "
+                    "same in every epoch: the data set was sorted once and never shuffled. The "
+                    "model then sees all short sequences, then all long ones, in the same order "
+                    "each epoch, and the loss drifts with the length instead of falling. Shuffle "
+                    "with torch.Generator().manual_seed(seed + epoch), sort only within buckets of "
+                    "a few steps, and shuffle the order of the steps too.")
             raise CheckFailed(
                 f"world size {world}: rank 0 yields exactly the same batches in epoch 0 and epoch 1: "
                 "set_epoch has no effect. Seed the shuffle with seed + epoch (as DistributedSampler "
