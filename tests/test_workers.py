@@ -175,3 +175,27 @@ def test_line_splitter_keeps_partial_lines_until_they_end():
     assert s.feed(b"lo\nwor") == ["hello"]
     assert s.feed("ld \u00e9\r\nnext\n".encode()) == ["world \u00e9", "next"]
     assert s.feed(b"tail") == [] and s.flush() == ["tail"] and s.flush() == []
+
+
+def test_the_hang_timeout_counts_from_the_start_of_the_function_not_of_the_worker():
+    import slow_import_target
+
+    # Importing the function's module takes 3 s in each worker: longer than the 1 s timeout, which
+    # must not count it (a busy machine importing slowly is not a hang).
+    out = launch(slow_import_target.quick, 2, timeout=1, display=None,
+                 env={"COURSE_TEST_IMPORT_DELAY": "3"})
+    assert out == [0, 1]
+
+
+def test_a_worker_that_never_gets_to_start_still_times_out(monkeypatch):
+    import slow_import_target
+
+    from course_utils import WorkerTimeout
+    from course_utils.workers import supervisor
+
+    monkeypatch.setattr(supervisor, "STARTUP_GRACE", 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeout, match="slow_import_target"):
+        launch(slow_import_target.quick, 2, timeout=1, display=None,
+               env={"COURSE_TEST_IMPORT_DELAY": "30"})
+    assert time.monotonic() - t0 < 15

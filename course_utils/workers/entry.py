@@ -70,7 +70,8 @@ def _become_the_kernel(spec: dict) -> None:
 def _run(payload: bytes) -> tuple:
     """``("ok", value)`` or ``("exc", type name, message, traceback)``."""
     try:
-        fn, args, kwargs = pickle.loads(payload)
+        fn, args, kwargs = pickle.loads(payload)  # may import modules: start-up, not yet fn's time
+        reports.announce_start()
         return ("ok", fn(*args, **kwargs))
     except SystemExit as e:  # sys.exit(0) in a worker counts as success, like under torchrun
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -21,11 +21,12 @@ import select
 import struct
 import threading
 
-__all__ = ["MAX_FRAME", "open_channel", "close_channel", "in_worker", "send_report", "stats",
-           "wait_flushed", "decode_frames"]
+__all__ = ["MAX_FRAME", "STARTED", "open_channel", "close_channel", "in_worker", "send_report",
+           "announce_start", "stats", "wait_flushed", "decode_frames"]
 
 MAX_FRAME = 4096  # pipe writes up to PIPE_BUF bytes are atomic: a report is never half-written
 PIPE_SIZES = (1 << 20, 1 << 18)  # pipe sizes to ask for (Linux default: 64 KiB)
+STARTED = "__course_started__"  # the key of the one report that says "the function starts now"
 
 
 class _Channel:
@@ -107,6 +108,11 @@ def send_report(metrics: dict) -> bool:
             ch.flusher = threading.Thread(target=_flush, args=(ch,), name="report-flusher", daemon=True)
             ch.flusher.start()
         return False
+
+
+def announce_start() -> None:
+    """Tell the launcher that this rank's function starts now (its hang timeout counts from here)."""
+    send_report({STARTED: True})
 
 
 def _write(fd: int, frame: bytes) -> bool:

@@ -21,8 +21,9 @@ How it works, in the order things happen:
    ``torchrun``, and gloo/NCCL are told to use the loopback interface.
 4. **Supervision.** One loop in the calling thread reads every worker's stdout/stderr (printed as
    whole lines prefixed with the rank), results, progress reports and exit status.  When a rank
-   fails, the others are killed at once; after ``timeout`` seconds the stuck ranks' Python stacks
-   are collected (``faulthandler``) and they are killed.
+   fails, the others are killed at once; ``timeout`` seconds after every rank has started the
+   function (starting a worker, which may import modules, is not counted, up to ``STARTUP_GRACE``
+   seconds), the stuck ranks' Python stacks are collected (``faulthandler``) and they are killed.
 5. **Clean-up.** Each worker runs in its own process group and watches a pipe from the launcher: if
    the launcher (the notebook kernel) dies, the pipe closes and the worker kills its whole group.
    On any exit from ``launch`` (success, failure, KeyboardInterrupt) every worker is reaped and
@@ -59,7 +60,7 @@ from .budget import cpu_threads_per_worker
 from .entry import worker_main
 from .errors import RankFailure, WorkerError, WorkerTimeout
 from .lines import LineSplitter
-from .reports import decode_frames
+from .reports import STARTED, decode_frames
 
 __all__ = ["launch", "free_port", "fork_server_context", "loopback_listener", "main_module_hidden"]
 
@@ -202,6 +203,7 @@ class _Rank:
     stack: bytes = b""
     result: tuple | None = None
     exited: bool = False
+    started: bool = False  # its function has started (the worker said so)
     report_buf: bytes = b""
 
     def failure(self) -> RankFailure | None:
@@ -268,8 +270,10 @@ def launch(
     args, kwargs:
         Passed to ``fn``; notebook-defined classes and closures are fine.
     timeout:
-        Seconds before the launch is declared hung: the stuck ranks' stacks are shown and the
-        workers are killed (``WorkerTimeout``).
+        Seconds the function may run, counted once every rank has started it, before the launch
+        is declared hung: the stuck ranks' stacks are shown and the workers are killed
+        (``WorkerTimeout``).  Starting the workers (which may import modules, slow on a busy
+        machine) is not counted, up to ``STARTUP_GRACE`` seconds.
     nnodes:
         Simulated nodes.  Ranks are laid out node by node: node ``g`` holds global ranks
         ``g*nprocs ... g*nprocs + nprocs - 1`` with ``GROUP_RANK=g``.
@@ -357,6 +361,9 @@ def launch(
         del store
 
 
+STARTUP_GRACE = 60.0  # seconds a worker may take to start its function, beyond ``timeout``
+
+
 class _Supervisor:
     """The launcher's loop: forward output, collect results, detect failure and hangs."""
 
@@ -364,11 +371,14 @@ class _Supervisor:
         self.ranks, self.sel, self.live, self.world = ranks, sel, live, world
 
     def run(self, timeout: float, finish_within: float | None = None) -> list[Any]:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + STARTUP_GRACE + timeout  # until every rank has started
+        all_started = False
         first_done: float | None = None
         try:
             while not all(r.exited for r in self.ranks):
                 now = time.monotonic()
+                if not all_started and all(r.started or r.exited for r in self.ranks):
+                    all_started, deadline = True, min(deadline, now + timeout)
                 remaining = deadline - now
                 if remaining <= 0:
                     self._time_out(timeout)
@@ -467,7 +477,10 @@ class _Supervisor:
         elif name == "report":
             reports, r.report_buf = decode_frames(r.report_buf + data)
             for metrics in reports:
-                self.live.update(r.rank, metrics)
+                if STARTED in metrics:
+                    r.started = True
+                else:
+                    self.live.update(r.rank, metrics)
         else:
             _emit(r.rank, name, r.lines[name].feed(data))
 
