@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -12,7 +14,12 @@ from torch import nn
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_bucketed_ddp, check_comm_prediction, check_sharded_optimizer
-from course_utils.checks.ch10 import ring_factor
+from course_utils.checks.ch10 import (
+    compare_bucketed_speed,
+    measure_sharded_memory,
+    ring_factor,
+    speed_verdict,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "solutions"))
 import mini_ddp  # noqa: E402
@@ -141,7 +148,56 @@ class BufferBucketed(nn.Module):
         self.handles = []
 
 
-@pytest.mark.parametrize("cls", [mini_ddp.DDPBucketed, BufferBucketed], ids=["cat", "buffers"])
+class ViewBucketed(nn.Module):
+    """A third right answer: each gradient becomes a view into its bucket's flat buffer (torch DDP's
+    gradient_as_bucket_view), so the all-reduce averages .grad in place and nothing is copied
+    back; the counters are reset in on_train_batch_start()."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__()
+        self.module = module
+        with torch.no_grad():
+            for t in itertools.chain(module.parameters(), module.buffers()):
+                dist.broadcast(t, 0)
+        self.buckets = []
+        for p in reversed([p for p in module.parameters() if p.requires_grad]):
+            nbytes = p.numel() * p.element_size()
+            if not self.buckets or sum(q.numel() * q.element_size() for q in self.buckets[-1]) + nbytes \
+                    > bucket_size_mb * 2**20:
+                self.buckets.append([])
+            self.buckets[-1].append(p)
+        self.flat = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype) for b in self.buckets]
+        self.slot = {}
+        for i, b in enumerate(self.buckets):
+            for p, view in zip(b, self.flat[i].split([p.numel() for p in b])):
+                self.slot[p] = (i, view.view_as(p))
+                p.register_post_accumulate_grad_hook(self._ready)
+        self.works = []
+        self.on_train_batch_start()
+
+    def on_train_batch_start(self):
+        self.missing = [len(b) for b in self.buckets]
+
+    def _ready(self, p):
+        i, view = self.slot[p]
+        view.copy_(p.grad)  # a no-op when .grad already is the view (zero_grad(set_to_none=False))
+        p.grad = view
+        self.missing[i] -= 1
+        if self.missing[i] == 0:
+            self.works.append((i, dist.all_reduce(self.flat[i], async_op=True)))
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def finish_gradient_synchronization(self):
+        for i, work in self.works:
+            work.wait()
+            self.flat[i].div_(dist.get_world_size())
+        self.works.clear()
+
+
+@pytest.mark.parametrize("cls", [mini_ddp.DDPBucketed, BufferBucketed, ViewBucketed],
+                         ids=["cat", "buffers", "views"])
 def test_bucketed_accepts_right_answers(cls, capsys):
     check_bucketed_ddp(cls)
     assert "[PASS] 10.a" in capsys.readouterr().out
@@ -170,6 +226,40 @@ def test_bucketed_stub_is_not_done():
 
     with pytest.raises(CheckFailed, match=r"not done yet.*10\.a bucketed DDP"):
         check_bucketed_ddp(Stub)
+
+
+
+def test_speed_comparison_counts_all_reduces_and_decides(capsys):
+    r = compare_bucketed_speed(mini_ddp.DDPBucketed, mini_ddp.DDPIndividualParameters, steps=3, repeats=3)
+    assert r["calls"] == {"torch DDP": 1, "DDPBucketed": 1, "DDPIndividualParameters": 6}
+    assert all(len(v) == 3 and min(v) > 0 for v in r["steps_per_s"].values())
+    out = capsys.readouterr().out
+    assert re.search(r"DDPBucketed runs at \d+% of torch DDP's steps per second", out)
+    assert ("not within 10%" in out) == (not r["within"])
+
+
+def test_speed_comparison_leaves_out_a_stub_and_refuses_to_time_one():
+    class Stub(nn.Module):
+        def __init__(self, *args):
+            super().__init__()
+            raise NotImplementedError("Exercise 04.b mini DDP: replace this line with your code")
+
+    r = compare_bucketed_speed(mini_ddp.DDPBucketed, Stub, steps=2, repeats=2)
+    assert r["calls"]["DDPIndividualParameters"] is None and "DDPIndividualParameters" not in r["steps_per_s"]
+    with pytest.raises(CheckFailed, match=r"DDPBucketed is not done yet \(exercise 10\.a\)"):
+        compare_bucketed_speed(Stub, mini_ddp.DDPIndividualParameters)
+
+
+@pytest.mark.parametrize("ratios, within, firm, fragment", [
+    ([0.97, 1.0, 1.02, 1.05, 0.99], True, True, r"at 100% .*: within 10% of torch DDP on this machine\.$"),
+    ([0.6, 0.7, 0.75, 0.8, 0.85], False, True, r"at 75% .*: not within 10%"),
+    ([0.5, 0.8, 0.95, 1.1, 1.3], True, False, r"within 10%.*too noisy for a firm verdict"),
+    ([0.5, 0.7, 0.85, 0.95, 1.3], False, False, r"not within 10%.*too noisy"),
+])
+def test_speed_verdict_follows_the_median_and_the_quartiles(ratios, within, firm, fragment):
+    text, w, f = speed_verdict(ratios)
+    assert (w, f) == (within, firm)
+    assert re.search(fragment, text), text
 
 
 # ------------------------------------------------------------------------------------------
@@ -214,7 +304,49 @@ def sharded(*, shard=True, sync=True, from_owner=True, override_add=True, reread
     return Sharded
 
 
-@pytest.mark.parametrize("cls", [mini_ddp.ShardedOptimizer, sharded()], ids=["balanced", "round-robin"])
+class GatherSharded(torch.optim.Optimizer):
+    """A third right answer: each rank owns a contiguous run of each group's parameters (about 1/N
+    of its elements); after the step every rank packs its parameters into one flat tensor, padded
+    to the longest shard, and one all_gather hands every shard to every rank."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.cls, self.kw, self.inner = optimizer_cls, kwargs, None
+        self.shards = [[] for _ in range(self.world)]  # the parameters each rank owns
+        super().__init__(params, kwargs)
+
+    def add_param_group(self, group):
+        super().add_param_group(group)
+        g = self.param_groups[-1]
+        total, done, mine = sum(p.numel() for p in g["params"]), 0, []
+        for p in g["params"]:
+            owner = min(int((done + p.numel() / 2) * self.world // total), self.world - 1)
+            self.shards[owner].append(p)
+            if owner == self.rank:
+                mine.append(p)
+            done += p.numel()
+        if self.inner is None:
+            self.inner = self.cls([{**g, "params": mine}], **self.kw)
+        else:
+            self.inner.add_param_group({**g, "params": mine})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.inner.step(closure)
+        sizes = [sum(p.numel() for p in shard) for shard in self.shards]
+        flat = torch.zeros(max(sizes))
+        if self.shards[self.rank]:
+            flat[:sizes[self.rank]] = torch.cat([p.flatten() for p in self.shards[self.rank]])
+        gathered = [torch.empty_like(flat) for _ in range(self.world)]
+        dist.all_gather(gathered, flat)
+        for shard, size, got in zip(self.shards, sizes, gathered):
+            for p, piece in zip(shard, got[:size].split([p.numel() for p in shard])):
+                p.copy_(piece.view_as(p))
+        return loss
+
+
+@pytest.mark.parametrize("cls", [mini_ddp.ShardedOptimizer, sharded(), GatherSharded],
+                         ids=["balanced", "round-robin", "all-gather"])
 def test_sharded_accepts_right_answers(cls, capsys):
     check_sharded_optimizer(cls)
     assert "[PASS] 10.b" in capsys.readouterr().out
@@ -231,6 +363,24 @@ def test_sharded_accepts_right_answers(cls, capsys):
 def test_sharded_names_each_misconception(flags, fragment):
     with pytest.raises(CheckFailed, match=rf"(?s)\[10\.b sharded optimizer\].*{fragment}"):
         check_sharded_optimizer(sharded(**flags))
+
+
+
+def test_memory_measurement_adds_up_and_explains_the_floor(capsys):
+    course, equal = measure_sharded_memory(mini_ddp.ShardedOptimizer)
+    for case in (course, equal):
+        assert sum(case["per_rank"]) == case["unsharded"]
+        assert not set(case["owners"][0]) & set(case["owners"][1])
+        assert max(case["per_rank"]) >= case["lower_bound"] >= case["unsharded"] / 2
+    assert course["lower_bound"] > 0.75 * course["unsharded"]  # one 192x192 weight dominates
+    out = capsys.readouterr().out
+    assert "net.2.weight (36,864 elements)" in out and "close to it" in out
+
+
+def test_memory_measurement_says_when_nothing_is_sharded(capsys):
+    course, _ = measure_sharded_memory(sharded(shard=False))
+    assert course["per_rank"] == [course["unsharded"]] * 2
+    assert "not sharded: 6 of 6 tensors have state on every rank" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------

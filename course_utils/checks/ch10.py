@@ -48,7 +48,7 @@ from ..devices import backend_and_device, process_group_kwargs
 
 __all__ = ["check_bucketed_ddp", "check_sharded_optimizer", "check_comm_prediction", "measured_rounds",
            "MISCONCEPTIONS", "ring_factor", "fit_alpha_beta", "allreduce_seconds", "compare_bucketed_speed",
-           "measure_sharded_memory"]
+           "speed_verdict", "measure_sharded_memory"]
 
 # What learners really get wrong, per exercise; each entry is recognised by the checker and has a test.
 MISCONCEPTIONS = {
@@ -822,6 +822,21 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
+def speed_verdict(ratios: list[float], margin: float = 0.10) -> tuple[str, bool, bool]:
+    """Is ``DDPBucketed`` within ``margin`` of torch DDP, given its ratio of steps per second to torch
+    DDP's in each repeat?  The median decides; the verdict is firm when the middle half of the
+    repeats (the quartiles) lies on the same side of ``1 - margin``.  Returns (text, within, firm)."""
+    lo, med, hi = _quartiles(ratios)
+    within = med >= 1 - margin
+    firm = lo >= 1 - margin if within else hi < 1 - margin
+    text = (f"DDPBucketed runs at {med:.0%} of torch DDP's steps per second (median over {len(ratios)} "
+            f"repeats; the middle half of them {lo:.0%} to {hi:.0%}): "
+            f"{'within' if within else 'not within'} {margin:.0%} of torch DDP on this machine"
+            + ("." if firm else f"; but the middle half of the repeats straddles {1 - margin:.0%}, "
+               "so the machine was too noisy for a firm verdict: rerun when it is quiet."))
+    return text, within, firm
+
+
 def compare_bucketed_speed(DDPBucketed: Any, DDPIndividualParameters: Any = None, *,
                            bucket_size_mb: float = 25.0, batch: int = 64, steps: int = 15,
                            repeats: int = 15, margin: float = 0.10, timeout: float = 120.0) -> dict:
@@ -862,14 +877,8 @@ def compare_bucketed_speed(DDPBucketed: Any, DDPIndividualParameters: Any = None
         q1, q2, q3 = _quartiles(rates[n])
         print(f"{label:<31}{q2:>16.0f}{f'({q1:.0f} to {q3:.0f})':>16}{statistics.median(rel[n]):>14.0%}"
               f"{c:>18d}")
-    lo, med, hi = _quartiles(rel["DDPBucketed"])
-    within = med >= 1 - margin
-    firm = lo >= 1 - margin if within else hi < 1 - margin
-    print(f"DDPBucketed runs at {med:.0%} of torch DDP's steps per second (median over {repeats} "
-          f"repeats; the middle half of them {lo:.0%} to {hi:.0%}): "
-          f"{'within' if within else 'not within'} {margin:.0%} of torch DDP on this machine"
-          + ("." if firm else f"; but the middle half of the repeats straddles {1 - margin:.0%}, "
-             "so the machine was too noisy for a firm verdict: rerun when it is quiet."))
+    text, within, firm = speed_verdict(rel["DDPBucketed"], margin)
+    print(text)
     return {"steps_per_s": rates, "vs_ddp": rel, "calls": calls, "within": within, "firm": firm}
 
 
