@@ -9,6 +9,14 @@
 - ``check_comm_prediction(predict)`` (10.c) checks the learner's α-β prediction on made-up numbers,
   then against all-reduces timed on this machine.
 
+Beside the checks, two measurements of the learner's classes (they judge speed and memory, not
+correctness, and print their verdict instead of passing or failing):
+
+- ``compare_bucketed_speed(DDPBucketed, DDPIndividualParameters)`` times both against torch DDP on
+  the course model (steps per second over repeats, all-reduce calls per step);
+- ``measure_sharded_memory(ShardedOptimizer)`` adds up the optimizer state on each rank, against
+  plain AdamW and the ideal 1/N.
+
 Each checker's docstring and the ``MISCONCEPTIONS`` table below list the mistakes it recognises;
 ``tests/test_ch10_*.py`` gives each one to the checker, written as a learner would write it.
 """
