@@ -804,8 +804,9 @@ def _speed_worker(classes: dict[str, Any], cap_mb: float, batch: int, steps: int
                 calls[name] = _count_all_reduces(lambda w=wrapped, o=opt: train_step(w, o))
 
         seconds: dict[str, list[list[float]]] = {name: [] for name in runs}  # per repeat, per step
-        for k in range(repeats):
-            for name in list(runs)[::1 if k % 2 == 0 else -1]:  # the order alternates between repeats
+        order = sorted(runs, key=["torch DDP", "DDPBucketed", "DDPIndividualParameters"].index)
+        for k in range(repeats):  # torch DDP and DDPBucketed side by side, in alternating order
+            for name in order[::1 if k % 2 == 0 else -1]:
                 wrapped, opt = runs[name]
                 dist.barrier()
                 times = []
