@@ -363,3 +363,285 @@ def test_09f_rejects_the_local_mean():
 def test_09f_rejects_a_mean_of_batch_means():
     with pytest.raises(CheckFailed, match="mean of per-batch means: weight each batch by its size"):
         check_eval_no_leak(lambda m, b: _evaluate(m, b, per_batch=True))
+
+
+# ---- misconceptions added with the catalogue, and correct answers written differently ----------
+
+
+def end_of_epoch_barrier_inside_if(model, local_val_loss, path):
+    t = torch.tensor([float(local_val_loss)])
+    dist.all_reduce(t)
+    val = t.item() / dist.get_world_size()
+    if dist.get_rank() == 0:
+        torch.save({"model": model.state_dict(), "val_loss": val}, path)
+        dist.barrier()  # "the others must wait for the save": but only rank 0 is here
+    return val
+
+
+def end_of_epoch_all_gather(model, local_val_loss, path):
+    losses = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(losses, torch.tensor([float(local_val_loss)]))
+    val = float(torch.cat(losses).mean())
+    if dist.get_rank() == 0:
+        torch.save({"model": model.state_dict(), "val_loss": val}, path)
+    dist.barrier()
+    return val
+
+
+def end_of_epoch_objects_and_broadcast(model, local_val_loss, path):
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, float(local_val_loss))
+    val = sum(everyone) / len(everyone)
+    done = torch.zeros(1)
+    if dist.get_rank() == 0:
+        torch.save({"model": model.state_dict(), "val_loss": val}, path)
+        done += 1
+    dist.broadcast(done, src=0)  # rank 0 sends only once the file is written
+    return val
+
+
+def end_of_epoch_tensor_mean(model, local_val_loss, path):
+    t = torch.tensor([float(local_val_loss)])
+    dist.all_reduce(t)
+    val = t / dist.get_world_size()  # "a loss is a tensor"
+    if dist.get_rank() == 0:
+        torch.save({"model": model.state_dict(), "val_loss": val.item()}, path)
+    dist.barrier()
+    return val
+
+
+@pytest.mark.parametrize("fn", [end_of_epoch_all_gather, end_of_epoch_objects_and_broadcast],
+                         ids=lambda f: f.__name__)
+def test_09a_accepts_other_collectives(fn, capsys):
+    check_checkpoint_collective(fn)
+    assert "[PASS] 09.a checkpoint collective" in capsys.readouterr().out
+
+
+def test_09a_rejects_a_barrier_inside_the_if():
+    with pytest.raises(CheckFailed, match=r"(?s)hung.*rank 0 was stuck here:.*dist\.barrier\(\).*"
+                                          r"or the barrier itself\) is called only under `if rank == "
+                                          r"0:`.*put the barrier after the `if`"):
+        check_checkpoint_collective(end_of_epoch_barrier_inside_if, timeout=HANG)
+
+
+def test_09a_rejects_a_tensor_mean():
+    with pytest.raises(CheckFailed, match=r"rank 0: end_of_epoch returned a torch.Tensor; return a "
+                                          r"Python float"):
+        check_checkpoint_collective(end_of_epoch_tensor_mean)
+
+
+def loader_seed_per_rank(dataset, batch_size, epoch):
+    sampler = DistributedSampler(dataset, seed=dist.get_rank())  # "each rank its own randomness"
+    sampler.set_epoch(epoch)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def loader_shuffle_and_sampler(dataset, batch_size, epoch):
+    sampler = DistributedSampler(dataset)
+    sampler.set_epoch(epoch)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=True)
+
+
+def loader_seeded_by_epoch(dataset, batch_size, epoch):
+    sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(),
+                                 seed=epoch)  # the same seed on every rank, a new one each epoch
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def loader_by_hand(dataset, batch_size, epoch):
+    g = torch.Generator().manual_seed(1000 + epoch)  # the same permutation on every rank
+    order = torch.randperm(len(dataset), generator=g)
+    mine = order[dist.get_rank()::dist.get_world_size()].tolist()
+    return DataLoader(Subset(dataset, mine), batch_size=batch_size)
+
+
+@pytest.mark.parametrize("fn", [loader_seeded_by_epoch, loader_by_hand], ids=lambda f: f.__name__)
+def test_09b_accepts_other_shardings(fn, capsys):
+    check_distributed_loader(fn)
+    assert "[PASS] 09.b distributed loader" in capsys.readouterr().out
+
+
+def test_09b_rejects_a_seed_per_rank():
+    with pytest.raises(CheckFailed, match=r"(?s)seen by more than one rank.*DistributedSamplers have "
+                                          r"different seeds \(0, 1\).*same seed"):
+        check_distributed_loader(loader_seed_per_rank)
+
+
+def test_09b_rejects_shuffle_as_well_as_a_sampler():
+    with pytest.raises(CheckFailed, match=r"(?s)mutually exclusive.*the sampler shuffles.*no shuffle="):
+        check_distributed_loader(loader_shuffle_and_sampler)
+
+
+def sync_sorted_local_keys(metrics):
+    keys = sorted(metrics)  # "sorting makes the order the same on every rank"
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def sync_one_key_at_a_time_in_agreed_order(metrics):
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(metrics))
+    totals = {}
+    for k in sorted(set().union(*everyone)):  # many collectives, but the same ones everywhere
+        t = torch.tensor([float(metrics.get(k, 0.0))], dtype=torch.float64)
+        dist.all_reduce(t)
+        totals[k] = t.item()
+    return totals
+
+
+def sync_gather_the_dicts(metrics):
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dict(metrics))
+    keys = set().union(*everyone)
+    return {k: sum(d.get(k, 0.0) for d in everyone) for k in keys}
+
+
+@pytest.mark.parametrize("fn", [sync_one_key_at_a_time_in_agreed_order, sync_gather_the_dicts],
+                         ids=lambda f: f.__name__)
+def test_09c_accepts_other_collectives(fn, capsys):
+    check_metrics_sync(fn)
+    assert "[PASS] 09.c metrics order" in capsys.readouterr().out
+
+
+def test_09c_rejects_sorting_the_local_keys():
+    with pytest.raises(CheckFailed, match=r"(?s)one rank had a key the other lacked.*agree on the "
+                                          r"keys first"):
+        check_metrics_sync(sync_sorted_local_keys, timeout=HANG)
+
+
+def step_own_loss_after_backward(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()  # every rank takes part in the all-reduce now...
+    if not torch.isfinite(loss):  # ...but decides from its own loss
+        optimizer.zero_grad()
+        return False
+    optimizer.step()
+    optimizer.zero_grad()
+    return True
+
+
+def step_total_norm(model, optimizer, x, y):
+    F.cross_entropy(model(x), y).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    ok = bool(torch.isfinite(norm))  # NaN anywhere makes the norm NaN, on every rank alike
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return ok
+
+
+def step_gathered_flags(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    flags = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([float(torch.isfinite(loss))]))
+    loss.backward()
+    ok = all(f.item() == 1.0 for f in flags)
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad()
+    return ok
+
+
+@pytest.mark.parametrize("fn", [step_total_norm, step_gathered_flags], ids=lambda f: f.__name__)
+def test_09d_accepts_other_agreements(fn, capsys):
+    check_nan_skip_step(fn)
+    assert "[PASS] 09.d NaN skip" in capsys.readouterr().out
+
+
+def test_09d_rejects_a_decision_from_the_local_loss_after_backward():
+    with pytest.raises(CheckFailed, match=r"(?s)at step 1 the ranks decided differently: rank 0 "
+                                          r"stepped, rank 1 skipped.*own loss.*gradients"):
+        check_nan_skip_step(step_own_loss_after_backward)
+
+
+def uneven_ddp_join(model, optimizer, batches):
+    steps = 0
+    with model.join():  # DDP's own shortcut for Join([model])
+        for x, y in batches:
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+    return steps
+
+
+def uneven_padded(model, optimizer, batches):
+    n = torch.tensor([len(batches)])
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)  # every rank runs as many steps as the longest
+    steps = 0
+    for i in range(int(n)):
+        x, y = batches[min(i, len(batches) - 1)]
+        loss = F.cross_entropy(model(x), y)
+        if i >= len(batches):
+            loss = loss * 0  # a padding step: takes part in the all-reduce, contributes nothing
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+    return steps
+
+
+def uneven_counts_batches_not_steps(model, optimizer, batches):
+    _uneven(model, optimizer, batches)
+    return 5  # "the longest rank's count"
+
+
+@pytest.mark.parametrize("fn", [uneven_ddp_join, uneven_padded], ids=lambda f: f.__name__)
+def test_09e_accepts_other_ways_to_even_out(fn, capsys):
+    check_uneven_join(fn)
+    assert "[PASS] 09.e uneven inputs" in capsys.readouterr().out
+
+
+def test_09e_rejects_a_step_count_that_is_not_its_own():
+    with pytest.raises(CheckFailed, match=r"rank 1: train_uneven returned 5, but optimizer.step\(\) "
+                                          r"ran 3 times"):
+        check_uneven_join(uneven_counts_batches_not_steps)
+
+
+def evaluate_inference_mode(model, batches):
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        loss_sum = sum(F.cross_entropy(model(x), y, reduction="sum") for x, y in batches)
+        count = torch.tensor(float(sum(len(y) for _, y in batches)))
+        both = torch.stack([loss_sum.double(), count.double()])
+        dist.all_reduce(both)  # inside inference_mode: an inference tensor cannot change outside
+    model.train(was_training)
+    return (both[0] / both[1]).item()
+
+
+@torch.no_grad()
+def evaluate_decorated_two_reduces(model, batches):
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    count = torch.zeros((), dtype=torch.float64)
+    for x, y in batches:
+        loss_sum += F.cross_entropy(model(x), y, reduction="none").double().sum()
+        count += len(y)
+    dist.all_reduce(loss_sum)
+    dist.all_reduce(count)
+    model.train()
+    return float(loss_sum / count)
+
+
+def evaluate_mean_of_rank_means(model, batches):
+    model.eval()
+    with torch.no_grad():
+        loss_sum = sum(F.cross_entropy(model(x), y, reduction="sum").item() for x, y in batches)
+        mean = torch.tensor([loss_sum / sum(len(y) for _, y in batches)], dtype=torch.float64)
+    dist.all_reduce(mean)  # "the average of the ranks' averages"
+    model.train()
+    return mean.item() / dist.get_world_size()
+
+
+@pytest.mark.parametrize("fn", [evaluate_inference_mode, evaluate_decorated_two_reduces],
+                         ids=lambda f: f.__name__)
+def test_09f_accepts_other_ways_without_graphs(fn, capsys):
+    check_eval_no_leak(fn)
+    assert "[PASS] 09.f evaluation leak" in capsys.readouterr().out
+
+
+def test_09f_rejects_a_mean_of_rank_means():
+    with pytest.raises(CheckFailed, match="mean of the ranks' means.*all-reduce the sum and the count"):
+        check_eval_no_leak(evaluate_mean_of_rank_means)

@@ -13,6 +13,42 @@ reference computed in the same workers.
 | 09.d | ``train_step(model, optimizer, x, y) -> bool`` | NaN on one rank: NaN weights, or a hang |
 | 09.e | ``train_uneven(model, optimizer, batches) -> int`` | uneven inputs: hang at the last batch |
 | 09.f | ``evaluate(model, batches) -> float`` | evaluation that builds graphs (memory leak) |
+
+Misconceptions recognised (tests/test_ch09_checks.py; the message names each one and its fix):
+
+- 09.a: the all-reduce only under ``if rank == 0:`` (hang, both ranks' positions shown); the
+  barrier inside ``if rank == 0:`` "so that the others wait for the save" (rank 0 waits alone: a
+  hang; the checker synchronises on a group of its own, so its barrier cannot pair with that
+  one); no barrier at all (a rank returns before the file exists); this rank's loss, or the sum,
+  returned instead of the mean; every rank saving the one file; a checkpoint without the model;
+  a tensor returned instead of a float.  Accepted as well: ``all_gather`` of the losses,
+  ``all_gather_object`` with a broadcast from rank 0 after the save instead of a barrier.
+- 09.b: a plain ``DataLoader(shuffle=True)`` on every rank (every rank reads everything);
+  ``set_epoch`` forgotten (the same order every epoch); a seed per rank in ``DistributedSampler``
+  (the shards overlap: named from the samplers' seeds); ``shuffle=True`` as well as the sampler
+  (DataLoader's ValueError explained); an unshuffled shard; a hand-made shard that misses
+  samples.  Accepted as well: ``DistributedSampler(seed=epoch)`` without ``set_epoch``, a shard cut
+  by hand from a permutation that every rank draws with the same seed.
+- 09.c: one all-reduce per key in each rank's own order (values added across names), the keys
+  sorted locally without agreeing on them first (one rank has a key more), the mean instead of
+  the total, a list instead of a dict.  Accepted as well: one all-reduce per key in an agreed
+  order, ``all_gather_object`` of the whole dicts summed locally.
+- 09.d: skipping before ``backward()`` from the local loss (hang); deciding from the local loss
+  after ``backward()`` (the ranks decide differently: named with each rank's decision); no guard
+  (NaN weights); no ``zero_grad`` when skipping (every later step skipped); no return value.
+  Accepted as well: a flag all-reduced before backward, the gradients' total norm
+  (``get_total_norm``), an ``all_gather`` of the ranks' flags.
+- 09.e: the plain loop (hang at the last batch); truncating to the shortest rank; training
+  ``model.module`` (the ranks drift apart); a step count that is not the number of
+  ``optimizer.step()`` calls this rank made (counted with a step hook).  Accepted as well:
+  ``with model.join():``, padding (every rank runs the longest rank's number of steps, the extra
+  ones with the loss multiplied by 0).
+- 09.f: a tensor total that keeps every batch's graph; no ``no_grad`` (autograd saves tensors,
+  counted with ``saved_tensors_hooks``); no ``eval()`` (BatchNorm statistics move); eval mode
+  left on; this rank's mean; the mean of per-batch means; the mean of the ranks' means.
+  Accepted as well: ``inference_mode`` with the all-reduce inside it, a ``@torch.no_grad()``
+  function with two all-reduces (sum and count), the previous mode restored with
+  ``model.train(was_training)``.
 """
 
 from __future__ import annotations
@@ -29,10 +65,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
 
 from ..checking import CheckFailed, checker, close, compare_tensors, require_callable, run_workers
 from ..data import make_dataset, make_model
 from ..diagnose import IndexedDataset, check_duplicates, sample_ids
+from ..workers.errors import RankFailure
 
 __all__ = [
     "check_checkpoint_collective",
@@ -95,13 +133,16 @@ def _w_end_of_epoch(fn: Callable, path: str) -> dict:
         return real_save(obj, f, *args, **kwargs)
 
     model = make_model(0, hidden=16)
+    # The checker waits on a group of its own: a barrier on the default group would pair with a
+    # barrier the learner's code called on one rank only, and hide that mistake.
+    checker_group = dist.new_group(backend="gloo")
     torch.save = slow_save
     try:
         value = fn(model, 1.0 + 2.0 * rank, path)
         exists_at_return = os.path.exists(path)
     finally:
         torch.save = real_save
-    dist.barrier()  # only reached when the learner's code left the ranks in step
+    dist.barrier(group=checker_group)
     dist.destroy_process_group()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"value": value, "saves": saves, "exists_at_return": exists_at_return, "state": state}
@@ -113,9 +154,11 @@ def check_checkpoint_collective(end_of_epoch: Callable, *, timeout: float = 20.0
     require_callable(end_of_epoch, "end_of_epoch(model, local_val_loss, path)")
     path = os.path.join(tempfile.mkdtemp(prefix="ch09a-"), "checkpoint.pt")
     out = run_workers(_w_end_of_epoch, WORLD, args=(end_of_epoch, path), timeout=timeout,
-               hang_hint="a collective (all_reduce inside a helper, a barrier) is called only "
-               "under `if rank == 0:`; the other ranks wait elsewhere. Compute the mean on every "
-               "rank, save on rank 0 only, and put the barrier after the `if`.")
+               hang_hint="a collective (all_reduce inside a helper, or the barrier itself) is "
+               "called only under `if rank == 0:`; the other ranks never join it (in a real loop "
+               "their next collective would pair with it: a hang or a mismatched collective). "
+               "Compute the mean on every rank, save on rank 0 only, and put the barrier after "
+               "the `if`.")
     expected = sum(1.0 + 2.0 * r for r in range(WORLD)) / WORLD
     for r, o in enumerate(out):
         got = _number(o["value"], "end_of_epoch", r)
@@ -164,7 +207,7 @@ def _w_epoch_loader(fn: Callable, epochs: int) -> dict:
     dist.init_process_group("gloo")
     torch.manual_seed(dist.get_rank())  # ranks seed differently, as most scripts do
     dataset = IndexedDataset(make_dataset(_N_SAMPLES))
-    orders, sizes, reports, problem = [], [], [], ""
+    orders, sizes, reports, seeds, problem = [], [], [], [], ""
     for epoch in range(epochs):
         loader = fn(dataset, _BATCH, epoch)
         if loader is None:
@@ -178,10 +221,13 @@ def _w_epoch_loader(fn: Callable, epochs: int) -> dict:
                 batches = []
             ids = sample_ids(batches)
             sizes.append(len(batches[0][-1]) if batches else 0)
+            sampler = getattr(loader, "sampler", None)
+            if isinstance(sampler, DistributedSampler):
+                seeds.append(sampler.seed)
         orders.append(ids)
         reports.append(check_duplicates(ids, _N_SAMPLES))  # a collective: every rank, every epoch
     dist.destroy_process_group()
-    return {"orders": orders, "sizes": sizes, "reports": reports, "problem": problem}
+    return {"orders": orders, "sizes": sizes, "reports": reports, "seeds": seeds, "problem": problem}
 
 
 @checker("09.b distributed loader")
@@ -189,8 +235,17 @@ def check_distributed_loader(make_loader: Callable, *, timeout: float = 20.0) ->
     """Call ``make_loader(dataset, 8, epoch)`` for epochs 0, 1, 2 on two ranks; audit the ids."""
     require_callable(make_loader, "make_loader(dataset, batch_size, epoch)")
     epochs = 3
+    def explain_error(f: RankFailure) -> str | None:
+        if "mutually exclusive with shuffle" in f.message:
+            return (f"rank {f.rank}: DataLoader raised ValueError: {f.message}.\nUsual mistake: "
+                    "shuffle=True as well as a sampler; the sampler shuffles (DistributedSampler's "
+                    "shuffle=True is its default), so give the DataLoader sampler=sampler and no "
+                    "shuffle= argument")
+        return None
+
     out = run_workers(_w_epoch_loader, WORLD, args=(make_loader, epochs), timeout=timeout,
-               hang_hint="the loader should not communicate; build it from DistributedSampler")
+                      hang_hint="the loader should not communicate; build it from DistributedSampler",
+                      explain_error=explain_error)
     for r, o in enumerate(out):
         if o["problem"]:
             raise CheckFailed(f"rank {r}: {o['problem']}")
@@ -198,6 +253,16 @@ def check_distributed_loader(make_loader: Callable, *, timeout: float = 20.0) ->
             raise CheckFailed(f"rank {r}: batches of {o['sizes'][0]} samples, expected "
                               f"batch_size={_BATCH}")
     for epoch, rep in enumerate(out[0]["reports"]):
+        seeds = [o["seeds"][epoch] if len(o["seeds"]) > epoch else None for o in out]
+        if rep.shared and None not in seeds and len(set(seeds)) > 1:
+            raise CheckFailed(
+                f"epoch {epoch}: {len(rep.shared)} of {_N_SAMPLES} samples were seen by more "
+                f"than one rank: the ranks' DistributedSamplers have different seeds "
+                f"({', '.join(map(str, seeds))}). Each rank permutes the data set with its own "
+                "seed and takes every world_size-th sample of that permutation, so the shards "
+                "overlap and miss samples.\nUsual mistake: a seed per rank for randomness. Give "
+                "every rank the same seed (the default, 0) and change the order between epochs "
+                "with sampler.set_epoch(epoch)")
         if rep.shared:
             raise CheckFailed(
                 f"epoch {epoch}: {len(rep.shared)} of {_N_SAMPLES} samples were seen by more "
@@ -353,6 +418,19 @@ def check_nan_skip_step(train_step: Callable, *, timeout: float = 20.0) -> None:
         if any(not isinstance(f, bool) for f in flags):
             raise CheckFailed(f"rank {r}: train_step returned {flags}; return True when the "
                               "optimizer stepped, False when the step was skipped")
+    for s in range(_NAN_STEPS):
+        decided = [o["flags"][s] for o in out]
+        if len(set(decided)) > 1:
+            who = ", ".join(f"rank {r} {'stepped' if d else 'skipped'}" for r, d in enumerate(decided))
+            raise CheckFailed(
+                f"at step {s} the ranks decided differently: {who}. The loss is each rank's own "
+                "(only rank 1's holds the NaN), so a decision made from it differs between ranks, "
+                "and the rank that steps applies the NaN gradients DDP gave it: the replicas "
+                "diverge.\nUsual mistake: deciding from this rank's own loss. Decide from the "
+                "gradients after backward() (DDP has made them identical on every rank), or "
+                "all-reduce a flag")
+    for r, o in enumerate(out):
+        flags = o["flags"]
         if flags != expected:
             taken = [s for s, f in enumerate(flags) if f]
             if flags[_NAN_AT]:
@@ -409,15 +487,16 @@ def _w_uneven(fn: Callable) -> dict:
 
     model = DDP(make_model(0, hidden=32))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    forwards = [0]
+    forwards, stepped = [0], [0]
     model.module.register_forward_pre_hook(lambda m, a: forwards.__setitem__(0, forwards[0] + 1))
+    opt.register_step_post_hook(lambda o, a, k: stepped.__setitem__(0, stepped[0] + 1))
     steps = fn(model, opt, batches)
     dist.barrier()  # reached only if the learner's loop left the ranks in step
     state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
     del model, opt
     dist.destroy_process_group()
-    return {"steps": steps, "forwards": forwards[0], "batches": len(batches), "state": state,
-            "reference": reference}
+    return {"steps": steps, "forwards": forwards[0], "stepped": stepped[0], "batches": len(batches),
+            "state": state, "reference": reference}
 
 
 @checker("09.e uneven inputs")
@@ -429,14 +508,18 @@ def check_uneven_join(train_uneven: Callable, *, timeout: float = 20.0) -> None:
                "in DDP's gradient all-reduce. Wrap the loop in `with Join([model]):` "
                "(torch.distributed.algorithms.join)")
     for r, o in enumerate(out):
-        if o["forwards"] != o["batches"]:
+        if o["forwards"] < o["batches"]:
             raise CheckFailed(f"rank {r} ran the model on {o['forwards']} of its {o['batches']} "
                               "batches: train on every batch (Join lets the ranks with more "
                               "batches go on; truncating to the shortest rank throws data away)")
         steps = o["steps"]
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps != o["batches"]:
+        if not isinstance(steps, int) or isinstance(steps, bool):
             raise CheckFailed(f"rank {r}: train_uneven returned {steps!r}, expected the number "
-                              f"of optimizer steps it took ({o['batches']})")
+                              f"of optimizer steps it took (an int: {o['stepped']} here)")
+        if steps != o["stepped"]:
+            raise CheckFailed(f"rank {r}: train_uneven returned {steps}, but optimizer.step() "
+                              f"ran {o['stepped']} times on this rank; return the number of "
+                              "steps this rank took")
     _states_equal([o["state"] for o in out], "parameters",
                   "the ranks trained apart (model.module bypasses DDP's all-reduce, or "
                   "no_sync() was left on)")
