@@ -582,6 +582,17 @@ def uneven_padded(model, optimizer, batches):
     return steps
 
 
+def uneven_padded_with_a_real_batch(model, optimizer, batches):
+    n = torch.tensor([len(batches)])
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    for i in range(int(n)):
+        x, y = batches[i % len(batches)]  # "reuse a batch to keep the ranks in step"
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return int(n)
+
+
 def uneven_counts_batches_not_steps(model, optimizer, batches):
     _uneven(model, optimizer, batches)
     return 5  # "the longest rank's count"
@@ -591,6 +602,12 @@ def uneven_counts_batches_not_steps(model, optimizer, batches):
 def test_09e_accepts_other_ways_to_even_out(fn, capsys):
     check_uneven_join(fn)
     assert "[PASS] 09.e uneven inputs" in capsys.readouterr().out
+
+
+def test_09e_rejects_padding_that_trains_twice_on_a_batch():
+    with pytest.raises(CheckFailed, match=r"(?s)parameters on rank 0 differ.*padding: rank 1 ran the "
+                                          r"model 5 times on its 3 batches.*multiply its loss by 0"):
+        check_uneven_join(uneven_padded_with_a_real_batch)
 
 
 def test_09e_rejects_a_step_count_that_is_not_its_own():

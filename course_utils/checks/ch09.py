@@ -39,7 +39,8 @@ Misconceptions recognised (tests/test_ch09_checks.py; the message names each one
   Accepted as well: a flag all-reduced before backward, the gradients' total norm
   (``get_total_norm``), an ``all_gather`` of the ranks' flags.
 - 09.e: the plain loop (hang at the last batch); truncating to the shortest rank; training
-  ``model.module`` (the ranks drift apart); a step count that is not the number of
+  ``model.module`` (the ranks drift apart); padding with a real batch repeated, whose gradients
+  count twice (named from the forward count); a step count that is not the number of
   ``optimizer.step()`` calls this rank made (counted with a step hook).  Accepted as well:
   ``with model.join():``, padding (every rank runs the longest rank's number of steps, the extra
   ones with the loss multiplied by 0).
@@ -523,9 +524,16 @@ def check_uneven_join(train_uneven: Callable, *, timeout: float = 20.0) -> None:
     _states_equal([o["state"] for o in out], "parameters",
                   "the ranks trained apart (model.module bypasses DDP's all-reduce, or "
                   "no_sync() was left on)")
+    padded = [r for r, o in enumerate(out) if o["forwards"] > o["batches"]]
+    hint = ("forward through the DDP model, backward, step, zero_grad, inside `with Join([model]):`")
+    if padded:
+        o = out[padded[0]]
+        hint = (f"padding: rank {padded[0]} ran the model {o['forwards']} times on its "
+                f"{o['batches']} batches, and its extra steps contributed gradients, so a batch was "
+                "trained on twice. A padding step must take part in the all-reduce and contribute "
+                "nothing: multiply its loss by 0. Or let `with Join([model]):` do it")
     compare_tensors(out[0]["reference"], out[0]["state"], atol=1e-6, what="parameters",
-                    where="rank 0", hint="forward through the DDP model, backward, step, "
-                    "zero_grad, inside `with Join([model]):`")
+                    where="rank 0", hint=hint)
 
 
 # --------------------------------------------------------------------------------------------
