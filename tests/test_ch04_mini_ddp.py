@@ -437,7 +437,7 @@ class StoresModelElsewhere(NoBroadcast):
         return self.model(x)
 
 
-@pytest.mark.parametrize("wrong, message", [
+WRONG = [
     (AllReduceLoopAfterBackward, r"step 0: no all-reduce started during backward.*cannot overlap backward"),
     (BlockingAllReduceInHook, r"during backward your hook waited for communication \(a blocking "
                               r"dist\.all_reduce.*async_op=True"),
@@ -466,7 +466,10 @@ class StoresModelElsewhere(NoBroadcast):
     (HooksInForward, r"step 1: every gradient was all-reduced 2 times in one step: the hooks were "
                      r"registered again.*Register them once, in __init__"),
     (StoresModelElsewhere, r"the wrapper's `\.module` is NoneType"),
-], ids=lambda v: v.__name__ if isinstance(v, type) else "")
+]
+
+
+@pytest.mark.parametrize("wrong, message", WRONG, ids=[w.__name__ for w, _ in WRONG])
 def test_rejects_usual_mistakes(wrong, message):
     with pytest.raises(CheckFailed, match="(?s)" + message) as info:
         check_mini_ddp(wrong)
