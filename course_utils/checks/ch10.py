@@ -877,7 +877,7 @@ def compare_bucketed_speed(DDPBucketed: Any, DDPIndividualParameters: Any = None
     rel = {n: [a / b for a, b in zip(r, rates["torch DDP"])] for n, r in rates.items()}
     print(f"{out[0]['backend']}, {WORLD} ranks, course model, batch {batch} per rank, AdamW; "
           f"{repeats} repeats of {steps} steps, the wrappers taking turns")
-    print(f"{'':<31}{'steps/s: median':>16}{'(quartiles)':>16}{'vs torch DDP':>14}{'all-reduces/step':>18}")
+    print(f"{'':<31}{'steps/s: median':>16}{'(quartiles)':>16}{'vs torch DDP*':>14}{'all-reduces/step':>18}")
     for n, c in calls.items():
         label = n if n == "DDPIndividualParameters" else f"{n} ({bucket_size_mb:g} MiB)"
         if c is None:
@@ -886,6 +886,8 @@ def compare_bucketed_speed(DDPBucketed: Any, DDPIndividualParameters: Any = None
         q1, q2, q3 = _quartiles(rates[n])
         print(f"{label:<31}{q2:>16.0f}{f'({q1:.0f} to {q3:.0f})':>16}{statistics.median(rel[n]):>14.0%}"
               f"{c:>18d}")
+    print("* per repeat, steps/s divided by torch DDP's in the same repeat (the load of the machine then "
+          "cancels out); the median over the repeats")
     text, within, firm = speed_verdict(rel["DDPBucketed"], margin)
     print(text)
     return {"steps_per_s": rates, "vs_ddp": rel, "calls": calls, "within": within, "firm": firm}
