@@ -50,9 +50,10 @@ loss divided by the world size before backward and the gradients summed [right_d
   is still None [TensorRegisterHookReadsGrad];
 - hooks registered in ``forward()``: one more hook per parameter every step [HooksInForward];
 - the module stored under another name than ``.module`` [StoresModelElsewhere].
-Right answers written differently pass: the solution, handles in a dict [HandlesInADict], and
+Right answers written differently pass: the solution, handles in a dict [HandlesInADict],
 post-hooks on the AccumulateGrad nodes with the gradient divided before it is summed
-[AccumulateGradNodeHooks].
+[AccumulateGradNodeHooks], and a copy of each gradient all-reduced and copied back after the wait
+[ReducesACopy].
 """
 
 from __future__ import annotations
