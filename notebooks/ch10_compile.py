@@ -9,6 +9,7 @@ a bucket's all-reduce while the earlier pieces' backward still runs.  The backen
 every piece it is given, so the number of pieces can be counted.
 """
 
+import logging
 import time
 
 import torch
@@ -89,6 +90,9 @@ def compile_with_ddp(caps_mb, backend="aot_eager", steps=3, batch=32, hidden=512
     (bytes; the first step uses one bucket, then DDP rebuilds them), the step times and the
     largest weight difference from eager DDP.  ``failing_cap_mb``: a cap to try as well; its
     error, if any, is returned."""
+    # DDP's forward opens a profiler range, which dynamo leaves out of the graph with a warning on
+    # every rank; that is expected here, so only errors are shown
+    torch._logging.set_logs(dynamo=logging.ERROR)
     backend_name, device = backend_and_device()
     dist.init_process_group(backend_name, device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -4,7 +4,8 @@ Two "hosts" (network namespaces joined by a veth cable, from ``ch06_netns.py``) 
 Each host limits what it sends with a token-bucket filter (``tc qdisc ... tbf rate R``), as a
 slower network card would, and measures, for each rate:
 
-* the link: the best time of an all-reduce sized to take about 50 ms at that rate;
+* the link: the best time of an all-reduce sized to take about 50 ms at that rate, and the time of
+  a 4-byte one (the fixed cost of a call);
 * DDP's step time for the course model, plain and with ``fp16_compress_hook`` (gradients sent as
   float16: half the bytes).
 
@@ -72,17 +73,21 @@ def _median_step(model, x, y, steps):
     return statistics.median(times)
 
 
+def _timed_all_reduce(t):
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(t)
+    return time.perf_counter() - t0
+
+
 def _link_probe(rate_bps, rounds=3):
-    """(bytes, best seconds) of an all-reduce sized to take about 50 ms at ``rate_bps``."""
+    """(bytes, best seconds) of an all-reduce sized to take about 50 ms at ``rate_bps``, and the
+    median seconds of a 4-byte all-reduce (the fixed cost of one call on this link)."""
     nbytes = min(16 << 20, max(256 << 10, int(rate_bps / 8 * 0.05)))
-    t = torch.ones(nbytes // 4)
-    best = float("inf")
-    for _ in range(rounds):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes, best
+    big = torch.ones(nbytes // 4)
+    best = min(_timed_all_reduce(big) for _ in range(rounds))
+    small = statistics.median(_timed_all_reduce(torch.ones(1)) for _ in range(9))
+    return nbytes, best, small
 
 
 def measure(dev, rates_bps, steps=5, hidden=512, batch=64, fail_after_shaping=False):
@@ -113,9 +118,10 @@ def measure(dev, rates_bps, steps=5, hidden=512, batch=64, fail_after_shaping=Fa
             shape(dev, rate)
             if fail_after_shaping:
                 raise RuntimeError("failing on purpose after shaping the link (--fail-after-shaping)")
-            nbytes, probe_s = _link_probe(rate)
+            nbytes, probe_s, small_s = _link_probe(rate)
             step = {name: _median_step(m, x, y, steps) for name, m in models.items()}
-            rows.append({"rate_bps": rate, "probe_bytes": nbytes, "probe_s": probe_s, "step_s": step})
+            rows.append({"rate_bps": rate, "probe_bytes": nbytes, "probe_s": probe_s, "small_s": small_s,
+                         "step_s": step})
     finally:
         unshape(dev)
     del models
