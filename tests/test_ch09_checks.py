@@ -479,6 +479,15 @@ def sync_sorted_local_keys(metrics):
     return dict(zip(keys, t.tolist()))
 
 
+def sync_in_set_order(metrics):
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(metrics))
+    keys = set().union(*everyone)  # "the same keys on every rank, so the same set"
+    t = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
 def sync_one_key_at_a_time_in_agreed_order(metrics):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, list(metrics))
@@ -502,6 +511,12 @@ def sync_gather_the_dicts(metrics):
 def test_09c_accepts_other_collectives(fn, capsys):
     check_metrics_sync(fn)
     assert "[PASS] 09.c metrics order" in capsys.readouterr().out
+
+
+def test_09c_rejects_a_set_order():
+    with pytest.raises(CheckFailed, match=r"(?s)rank 0: \w+ = .*expected the total.*a set of the keys "
+                                          r"is not in the same order on every rank"):
+        check_metrics_sync(sync_in_set_order)
 
 
 def test_09c_rejects_sorting_the_local_keys():

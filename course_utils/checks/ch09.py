@@ -30,7 +30,9 @@ Misconceptions recognised (tests/test_ch09_checks.py; the message names each one
   samples.  Accepted as well: ``DistributedSampler(seed=epoch)`` without ``set_epoch``, a shard cut
   by hand from a permutation that every rank draws with the same seed.
 - 09.c: one all-reduce per key in each rank's own order (values added across names), the keys
-  sorted locally without agreeing on them first (one rank has a key more), the mean instead of
+  sorted locally without agreeing on them first (one rank has a key more), the agreed keys
+  reduced in a set's order (each process salts string hashes: the checker gives each rank's
+  names its own salt, which the forked workers would otherwise share), the mean instead of
   the total, a list instead of a dict.  Accepted as well: one all-reduce per key in an agreed
   order, ``all_gather_object`` of the whole dicts summed locally.
 - 09.d: skipping before ``backward()`` from the local loss (hang); deciding from the local loss
@@ -58,6 +60,7 @@ import copy
 import os
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -299,14 +302,35 @@ _METRICS = [
 ]
 
 
+class _MetricName(str):
+    """A metric's name that hashes differently on each rank, as names do under torchrun.
+
+    Python salts the hash of every str with a seed drawn when the interpreter starts (unless
+    PYTHONHASHSEED is set), so the workers torchrun starts iterate one set of names in different
+    orders.  The checker's workers are forked from one process and share its seed; this name
+    brings the difference back, deterministically (with salts 0 and 1 the set of case 0's three
+    names iterates in two different orders).
+    """
+
+    salt = 0
+
+    def __hash__(self) -> int:
+        return zlib.crc32(f"{_MetricName.salt}:{self}".encode())
+
+    def __eq__(self, other: object) -> bool:
+        return str.__eq__(self, other)
+
+
 def _w_sync_metrics(fn: Callable) -> list:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    _MetricName.salt = rank
     results: list = []
     for case in _METRICS:
         try:
-            results.append(fn(dict(case[rank])))
+            got = fn({_MetricName(k): v for k, v in case[rank].items()})
+            results.append({str(k): v for k, v in got.items()} if isinstance(got, dict) else got)
         except NotImplementedError:
             raise
         except Exception as e:  # usually: the partner rank finished and closed the connection
@@ -322,7 +346,9 @@ def check_metrics_sync(sync_metrics: Callable, *, timeout: float = 20.0) -> None
     require_callable(sync_metrics, "sync_metrics(metrics)")
     hint = ("the ranks issued their all-reduces in different orders, or one rank had a key the "
             "other lacked and issued an extra one. Collectives match by order, not by name: agree "
-            "on the keys first (dist.all_gather_object), then reduce in sorted order")
+            "on the keys first (dist.all_gather_object), then reduce in sorted order (a set of "
+            "the keys is not in the same order on every rank: each process salts string hashes "
+            "differently)")
     out = run_workers(_w_sync_metrics, WORLD, args=(sync_metrics,), timeout=timeout, hang_hint=hint,
                       error_hint=hint)
     errors = []
