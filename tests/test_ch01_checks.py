@@ -402,7 +402,7 @@ def test_evaluate_accepts_several_right_answers(right, capsys):
     (eval_mean_of_batch_losses, r"\(the last one 40\): mean loss .*mean of per-batch mean loss values.*"
                                 r"Weigh each batch by its size"),
     (eval_mean_of_batch_accuracies, r"accuracy .*mean of per-batch accuracy values"),
-    (eval_full_batches, r"len\(loader\) \* batch_size = 1024 samples.*1000 were counted"),
+    (eval_full_batches, r"len\(loader\) \* batch_size = 1024 samples.*the loader holds 1000"),
     (eval_percent, "not a percentage"),
     (eval_swapped, "swapped"),
     (eval_accuracy_only, r"two numbers, \(accuracy, mean loss\)"),

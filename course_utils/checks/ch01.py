@@ -123,9 +123,9 @@ def _clip_mistake(seen: dict, g: dict, norm: float, max_norm: float, left: dict 
                 "`clip_grad_norm_(model.parameters(), max_norm)` call.")
     if _same(seen, {k: v.clamp(-max_norm, max_norm) for k, v in g.items()}):
         return (f"{where}: the gradients were clipped element by element (clip_grad_value_ or clamp), "
-                "which changes the gradient's direction and leaves its norm unbounded. Clip by the "
-                "global norm: `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` scales "
-                "all gradients by one factor.")
+                "which changes the gradient's direction and does not keep its norm within max_norm. "
+                "Clip by the global norm: `torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                "max_norm)` scales all gradients by one factor.")
     summed = sum(torch.linalg.vector_norm(v).item() for v in g.values())
     if _same(seen, _scaled(g, min(1.0, max_norm / summed))):
         return (f"{where}: the total norm was taken as the sum of the parameters' norms. The global norm "
@@ -329,8 +329,8 @@ def check_evaluate(evaluate: Callable) -> None:
                        "`cross_entropy(..., reduction=\"sum\")`) and divide by the number of samples")
             elif _agree(value, want[f"{key}_padded"]):
                 why = (f"that divides by len(loader) * batch_size = {want['padded']} samples, but the "
-                       f"last batch is smaller: {want['n']} were counted. Count len(y) of each batch "
-                       "(or len(loader.dataset))")
+                       f"last batch is smaller and the loader holds {want['n']}. Count len(y) of each "
+                       "batch (or use len(loader.dataset))")
             else:
                 why = ("expected the sum over every sample divided by the number of samples, with the "
                        "model in eval mode")
