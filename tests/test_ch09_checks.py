@@ -378,6 +378,16 @@ def end_of_epoch_barrier_inside_if(model, local_val_loss, path):
     return val
 
 
+def end_of_epoch_reduce_to_rank_0(model, local_val_loss, path):
+    t = torch.tensor([float(local_val_loss)])
+    dist.reduce(t, dst=0)  # "only rank 0 saves, so only rank 0 needs the mean"
+    val = t.item() / dist.get_world_size()
+    if dist.get_rank() == 0:
+        torch.save({"model": model.state_dict(), "val_loss": val}, path)
+    dist.barrier()
+    return val
+
+
 def end_of_epoch_all_gather(model, local_val_loss, path):
     losses = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(losses, torch.tensor([float(local_val_loss)]))
@@ -422,6 +432,12 @@ def test_09a_rejects_a_barrier_inside_the_if():
                                           r"or the barrier itself\) is called only under `if rank == "
                                           r"0:`.*put the barrier after the `if`"):
         check_checkpoint_collective(end_of_epoch_barrier_inside_if, timeout=HANG)
+
+
+def test_09a_rejects_a_reduce_to_rank_0():
+    with pytest.raises(CheckFailed, match=r"rank 1 returned 1\.5, expected the mean validation loss 2; "
+                                          r"rank 0 has the mean, this rank does not.*dist\.reduce"):
+        check_checkpoint_collective(end_of_epoch_reduce_to_rank_0)
 
 
 def test_09a_rejects_a_tensor_mean():

@@ -20,7 +20,8 @@ Misconceptions recognised (tests/test_ch09_checks.py; the message names each one
   barrier inside ``if rank == 0:`` "so that the others wait for the save" (rank 0 waits alone: a
   hang; the checker synchronises on a group of its own, so its barrier cannot pair with that
   one); no barrier at all (a rank returns before the file exists); this rank's loss, or the sum,
-  returned instead of the mean; every rank saving the one file; a checkpoint without the model;
+  returned instead of the mean; ``dist.reduce`` to rank 0 "because only rank 0 saves" (the
+  other ranks return no mean); every rank saving the one file; a checkpoint without the model;
   a tensor returned instead of a float.  Accepted as well: ``all_gather`` of the losses,
   ``all_gather_object`` with a broadcast from rank 0 after the save instead of a barrier.
 - 09.b: a plain ``DataLoader(shuffle=True)`` on every rank (every rank reads everything);
@@ -167,8 +168,13 @@ def check_checkpoint_collective(end_of_epoch: Callable, *, timeout: float = 20.0
     for r, o in enumerate(out):
         got = _number(o["value"], "end_of_epoch", r)
         if not _agree(got, expected):
+            rank0_right = r > 0 and _agree(_number(out[0]["value"], "end_of_epoch", 0), expected)
             why = ("that is this rank's own loss: average it over all ranks with an all-reduce"
                    if _agree(got, 1.0 + 2.0 * r) else
+                   "rank 0 has the mean, this rank does not. Usual mistake: dist.reduce(t, dst=0) "
+                   "\"because only rank 0 saves\": reduce delivers the total to dst only, the other "
+                   "ranks' tensors do not hold it; every rank returns the mean, so all_reduce"
+                   if rank0_right else
                    "that is the sum over ranks: divide by the world size"
                    if _agree(got, expected * WORLD) else "expected the mean over all ranks")
             raise CheckFailed(f"rank {r} returned {got:g}, expected the mean validation loss "
