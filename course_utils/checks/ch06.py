@@ -24,8 +24,9 @@ endpoint on every node [commands_localhost_everywhere]; ``--standalone`` on a cl
 [save_model_only] or without the LR scheduler [save_without_scheduler]; every rank saving to the
 same path [save_on_every_rank]; loading without map_location [load_without_map_location]; loading
 with weights_only=False [load_unsafe]; "resume at the start of the epoch": only the epoch saved
-[load_epoch_only], or the batches already done not skipped [batches_from_epoch_start]; forgetting
-set_epoch on resume [batches_no_set_epoch_on_resume]; skipping one batch too many
+[load_epoch_only, load_epoch_number], or the batches already done not skipped
+[batches_from_epoch_start]; forgetting set_epoch on resume [batches_no_set_epoch_on_resume], or
+both mistakes at once (the loader returned as it is); skipping one batch too many
 [batches_skip_one_more]; loading into a copy [load_into_new_model]; whole objects saved
 [save_whole_objects]; a temporary file in /tmp, renamed across filesystems [save_via_system_temp,
 save_via_system_temp_and_move]; a failed save that leaves its temporary file
