@@ -7,7 +7,7 @@ slower network card would, and measures, for each rate:
 * the link: the best time of an all-reduce sized to take about 50 ms at that rate, and the time of
   a 4-byte one (the fixed cost of a call);
 * DDP's step time for the course model, plain and with ``fp16_compress_hook`` (gradients sent as
-  float16: half the bytes).
+  float16: half the bytes), and a step inside ``no_sync()`` (compute only), the three in turn.
 
 Run from the notebook (``slow_links(...)``), which makes the hosts and starts one copy of this
 script in each; by hand, inside two hosts of your own:
@@ -62,15 +62,13 @@ def unshape(dev):
     subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
 
 
-def _median_step(model, x, y, steps):
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _step(model, x, y):
+    """Seconds of one training step (forward, backward and DDP's all-reduces), started together."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    return time.perf_counter() - t0
 
 
 def _timed_all_reduce(t):
@@ -90,7 +88,7 @@ def _link_probe(rate_bps, rounds=3):
     return nbytes, best, small
 
 
-def measure(dev, rates_bps, steps=5, hidden=512, batch=64, fail_after_shaping=False):
+def measure(dev, rates_bps, steps=7, hidden=512, batch=64, fail_after_shaping=False):
     """One rank's measurements (the process group is already up)."""
     rank = dist.get_rank()
     x, y = make_dataset(batch * 2, seed=3).tensors
@@ -105,13 +103,12 @@ def measure(dev, rates_bps, steps=5, hidden=512, batch=64, fail_after_shaping=Fa
             return hook(None, bucket)
 
         ddp.register_comm_hook(None, recording)
-        _median_step(ddp, x, y, 2)  # unshaped warm-up; DDP rebuilds its buckets after step 1
+        for _ in range(2):  # unshaped warm-up; DDP rebuilds its buckets after the first step
+            _step(ddp, x, y)
         sizes.clear()
-        _median_step(ddp, x, y, 1)
+        _step(ddp, x, y)
         sent[name] = sizes[:]  # bytes sent per bucket in one step
         models[name] = ddp
-    with models["none"].no_sync():
-        compute = _median_step(models["none"], x, y, steps)
     rows = []
     try:
         for rate in rates_bps:
@@ -119,13 +116,21 @@ def measure(dev, rates_bps, steps=5, hidden=512, batch=64, fail_after_shaping=Fa
             if fail_after_shaping:
                 raise RuntimeError("failing on purpose after shaping the link (--fail-after-shaping)")
             nbytes, probe_s, small_s = _link_probe(rate)
-            step = {name: _median_step(m, x, y, steps) for name, m in models.items()}
+            # plain, compressed and compute-only steps taken in turn, so that a change in the
+            # machine's load during the run touches all three alike; the medians are kept
+            times = {name: [] for name in [*models, "compute"]}
+            for _ in range(steps):
+                for name, m in models.items():
+                    times[name].append(_step(m, x, y))
+                with models["none"].no_sync():
+                    times["compute"].append(_step(models["none"], x, y))
+            med = {k: statistics.median(v) for k, v in times.items()}
             rows.append({"rate_bps": rate, "probe_bytes": nbytes, "probe_s": probe_s, "small_s": small_s,
-                         "step_s": step})
+                         "compute_s": med.pop("compute"), "step_s": med})
     finally:
         unshape(dev)
     del models
-    return {"compute_s": compute, "buckets": sent, "rows": rows}
+    return {"buckets": sent, "rows": rows}
 
 
 def main():
@@ -135,7 +140,7 @@ def main():
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--dev", required=True, help="this host's end of the link, to shape")
     p.add_argument("--rates", required=True, help="link rates in bits/s, comma-separated")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=7)
     p.add_argument("--fail-after-shaping", action="store_true",
                    help="exit with an error once the link is shaped (to test the clean-up)")
     a = p.parse_args()
@@ -174,7 +179,7 @@ def qdisc_support(host):
     return out
 
 
-def slow_links(rates_bps, steps=5, timeout=120, fail_after_shaping=False):
+def slow_links(rates_bps, steps=7, timeout=120, fail_after_shaping=False):
     """Run both ranks on links shaped to each rate.  Returns ``{"skipped": reason}`` where this
     machine cannot (not root, no ``ip``/``tc``), else rank 0's measurements plus ``"qdiscs"``.
     The namespaces, and with them the qdiscs, are deleted on every path (also on an error)."""
