@@ -6,7 +6,7 @@ read with ``weights_only=True``, ``@record`` so that torchrun reports the root c
 ``--data-dir`` to prepare the data once per node (local rank 0 writes it, the others wait at a
 barrier), and three switches for the lessons: ``--show-env`` (every worker prints what the
 launcher gave it), ``--crash-at-step`` (one worker fails on purpose, in the first attempt only) and
-``--step-time`` (slow the steps down, so that a demo can interrupt the job mid-run).
+``--step-time`` (slow the steps of the first run down, so that a demo can interrupt it mid-run).
 
 The same file runs unchanged:
 
@@ -71,7 +71,8 @@ def parse_args(argv=None):
                    help="one worker raises at this step in the first attempt (restart count 0)")
     p.add_argument("--crash-rank", type=int, default=-1, help="which rank crashes (-1: the last)")
     p.add_argument("--step-time", type=float, default=0.0,
-                   help="seconds each step lasts at least (a demo's time to interrupt the job)")
+                   help="seconds each step of the first run lasts at least (a demo's time to interrupt "
+                        "it; a restarted or requeued run goes at full speed)")
     return p.parse_args(argv)
 
 
@@ -198,6 +199,8 @@ def train(args):
     log(f"attempt {attempt}: world size {world}, global batch {args.batch_size * world}, "
         f"{per_epoch} steps per epoch, device {device}{slurm}")
     crash_rank = world - 1 if args.crash_rank < 0 else args.crash_rank
+    first_run = attempt == 0 and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+    step_time = args.step_time if first_run else 0.0
 
     while step < args.steps:
         # The data order depends on the step alone: a resumed run reads exactly the batches
@@ -218,7 +221,7 @@ def train(args):
             optimizer.step()
             step += 1
             course_utils.report(step=step, loss=loss.item())
-            time.sleep(max(0.0, args.step_time - (time.monotonic() - started)))
+            time.sleep(max(0.0, step_time - (time.monotonic() - started)))
             if args.log_every and step % args.log_every == 0:
                 log(f"step {step:3d}  loss on rank 0 {loss.item():.4f}")
             if args.ckpt and step % args.save_every == 0 and rank == 0:
