@@ -62,7 +62,7 @@ exercises: $(BIN)/.installed
 QUIET ?= check
 notebooks: $(BIN)/.installed
 	$(BIN)/python benchmarks/chapter_times.py --record $(if $(filter skip,$(QUIET)),,--quiet-wait 120) \
-		--note "make notebooks$(if $(filter skip,$(QUIET)), (QUIET=skip: the machine was not checked),)"
+		--note "make notebooks$(if $(filter skip,$(QUIET)), with QUIET=skip: the machine was not checked,; benchmarks/quiet.py found it quiet before each notebook)"
 	$(BIN)/python benchmarks/chapter_table.py --write
 	$(BIN)/python -m course_utils.exercises
 

@@ -101,6 +101,9 @@ def notebook_facts(path: Path) -> dict:
         src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         if cell["cell_type"] == "markdown":
             words += len(re.findall(r"\w+", src))
+            # a heading per exercise ("## Exercise 01.a: ..." or "## 10.a ..."): some are solved in
+            # a .py file beside the notebook (mini_ddp.py), with no solution block in the notebook
+            exercises.update(re.findall(r"^#+\s+(?:Exercise\s+)?(\d\d\.[a-z])\b", src, re.M))
         elif cell["cell_type"] == "code":
             code_lines += sum(1 for line in src.splitlines() if line.strip())
             exercises.update(re.findall(r"### BEGIN SOLUTION (\S+)", src))

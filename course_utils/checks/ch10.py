@@ -842,7 +842,8 @@ def speed_verdict(ratios: list[float], margin: float = 0.10) -> tuple[str, bool,
             f"repeats; the middle half of them {lo:.0%} to {hi:.0%}): "
             f"{'within' if within else 'not within'} {margin:.0%} of torch DDP on this machine"
             + ("." if firm else f"; but the middle half of the repeats straddles {1 - margin:.0%}, "
-               "so the machine was too noisy for a firm verdict: rerun when it is quiet."))
+               "so the repeats disagree by more than the difference: this run cannot settle it (more "
+               "repeats, or a quieter machine, can)."))
     return text, within, firm
 
 
