@@ -1,4 +1,5 @@
-"""Chapter 01's training loop made data-parallel: the five changes DDP needs, and nothing else.
+"""Chapter 01's training loop made data-parallel: the five changes DDP needs, and nothing else
+(besides one marked line that works around a bug of torch itself).
 
     python ch04_minimal.py                                        # starts 2 processes itself (mp.spawn)
     torchrun --standalone --nproc_per_node=2 ch04_minimal.py      # torchrun starts them
@@ -19,9 +20,11 @@ from torch.utils.data.distributed import DistributedSampler
 
 import course_utils
 from course_utils.data import make_dataset, make_model, split
+from course_utils.workarounds import apply_all
 
 
 def train(rank, world_size, epochs=2, batch_size=32, lr=0.05):
+    apply_all()  # WORKAROUND for a torch bug at process exit (pytorch/pytorch#56297), not part of DDP
     # (1) Join the process group, with one device per process.  LOCAL_RANK (the rank on this
     #     machine) picks the GPU: on a second machine, RANK would name a GPU that machine lacks.
     #     mp.spawn sets no LOCAL_RANK, but it starts every process on this one machine, where the

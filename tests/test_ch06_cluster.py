@@ -3,19 +3,19 @@
 - the Slurm templates and the two-machine recipe parse (``bash -n``) and their dry runs print the
   commands a cluster needs (tests/test_slurm.py submits the templates to a real, local cluster);
 - the namespaces are made and always removed, also when the code inside fails (root only);
-- the ``ch06_*`` files committed beside the lesson are exactly what its ``%%writefile`` cells write.
+- the lesson writes every ``ch06_*`` helper file (that each equals its cell: test_helper_files.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_helper_files import writefile_cells
 
 from course_utils import free_port, run_commands
 
@@ -177,27 +177,8 @@ def test_gloo_across_hosts_needs_the_interface_name(no_leftover_processes):
 # --------------------------------------------------------------------------------------------
 
 
-def _writefile_cells() -> dict[str, str]:
-    """File name -> what the lesson's ``%%writefile`` (and ``%%writefile -a``) cells write."""
-    cells = json.loads(LESSON.read_text())["cells"]
-    out = {}
-    for c in cells:
-        src = "".join(c["source"])
-        if c["cell_type"] == "code" and src.startswith("%%writefile "):
-            first, _, body = src.partition("\n")
-            words = first.split()
-            if words[1] == "-a":
-                out[words[2]] += body.rstrip("\n") + "\n"
-            else:
-                out[words[1]] = body.rstrip("\n") + "\n"
-    return out
-
-
-def test_helper_files_match_the_lesson():
-    cells = _writefile_cells()
-    assert set(cells) == {"ch06_train.py", "ch06_pair.py", "ch06_netns.py", "ch06_two_machines.sh",
-                          "ch06_slurm.sbatch", "ch06_slurm_srun.sh", "ch06_dryrun.py"}
-    for name, body in cells.items():
-        on_disk = (NOTEBOOKS / name).read_text()
-        # %%writefile writes the cell body plus a final newline
-        assert on_disk.rstrip("\n") == body.rstrip("\n"), f"{name} differs from its cell; rerun the lesson"
+def test_the_lesson_writes_every_helper_file():
+    # that each file equals its cell is checked for every lesson in test_helper_files.py
+    assert set(writefile_cells(LESSON)) == {"ch06_train.py", "ch06_pair.py", "ch06_netns.py",
+                                            "ch06_two_machines.sh", "ch06_slurm.sbatch",
+                                            "ch06_slurm_srun.sh", "ch06_dryrun.py"}
