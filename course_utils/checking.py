@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -210,13 +209,6 @@ def first_problem(outcomes: Sequence[Any]) -> None:
             raise CheckFailed(f"rank {o.rank}: {o.problem}")
 
 
-# Messages that one rank's failure causes on its peers: the root cause is elsewhere.
-_ECHO = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|Connection refused|ECONNRESET|EPIPE|"
-    r"recvBytes|Socket Timeout|Timed out waiting|Application timeout caused pair closure|"
-    r"Check the logs of the remote worker|pair\.cc",
-    re.IGNORECASE,
-)
 # Frames of the checker and of the launcher: the learner cannot act on them.
 _CHECKER_FRAMES = ("course_utils/checks/", "course_utils/checking.py", "course_utils/workers/",
                    "torch/distributed/", "torch/nn/modules/module.py", "torch/nn/parallel/")
@@ -256,7 +248,7 @@ def learner_frames(text: str) -> str:
 def _root_causes(failures: dict[int, RankFailure]) -> list[RankFailure]:
     """The ranks whose failure is their own: not stopped by the launcher, not a peer's echo."""
     own = [f for f in failures.values() if f.kind != "stopped"]
-    primary = [f for f in own if not (f.kind == "exception" and _ECHO.search(f.message))]
+    primary = [f for f in own if not f.is_echo]
     return sorted(primary or own, key=lambda f: f.rank)
 
 
@@ -341,7 +333,7 @@ def _error_message(e: WorkerError, progress: NullDisplay, hint: str) -> str:
     f = roots[0]
     where = _where(progress, f.rank)
     finished = sorted(r for r, g in e.failures.items() if g.finished_anyway)
-    if finished and all(g.kind == "exception" and _ECHO.search(g.message) for g in roots):
+    if finished and all(g.is_echo for g in roots):
         # The process of a rank that returned has exited: its peers, still in a collective with it,
         # see their connection to it reset.  The mistake is the early return, not the reset.
         done = ", ".join(f"rank {r}{_where(progress, r)}" for r in finished)

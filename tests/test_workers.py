@@ -199,3 +199,28 @@ def test_a_worker_that_never_gets_to_start_still_times_out(monkeypatch):
         launch(slow_import_target.quick, 2, timeout=1, display=None,
                env={"COURSE_TEST_IMPORT_DELAY": "30"})
     assert time.monotonic() - t0 < 15
+
+
+def _fails_after_closing_its_group():
+    """Rank 1 raises, but closes its connections first (a ``finally``), so rank 0's error, a closed
+    connection, can reach the launcher before rank 1's own exception does."""
+    dist.init_process_group("gloo")
+    t = torch.ones(1 << 16)
+    try:
+        if dist.get_rank() == 1:
+            raise ValueError("the cause, on rank 1")
+        dist.recv(t, src=1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_peers_echo_waits_for_the_cause():
+    from course_utils import WorkerError
+
+    for _ in range(3):
+        with pytest.raises(WorkerError) as info:
+            launch(_fails_after_closing_its_group, 2, timeout=30, display=None)
+        cause = info.value.failures[1]
+        assert cause.kind == "exception" and "the cause, on rank 1" in cause.message
+        echo = info.value.failures[0]
+        assert echo.kind == "stopped" or echo.is_echo, echo

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 
-__all__ = ["RankFailure", "WorkerError", "WorkerTimeout", "indent"]
+__all__ = ["ECHO", "RankFailure", "WorkerError", "WorkerTimeout", "indent"]
+
+# Messages that one rank's failure causes on its peers (a closed connection, a receive that timed
+# out): the root cause is on another rank.
+ECHO = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|Connection refused|ECONNRESET|EPIPE|"
+    r"recvBytes|Socket Timeout|Timed out waiting|Application timeout caused pair closure|"
+    r"Check the logs of the remote worker|pair\.cc",
+    re.IGNORECASE,
+)
 
 
 def indent(text: str, prefix: str = "    ") -> str:
@@ -50,6 +60,11 @@ class RankFailure:
         if self.kind == "timeout":
             return "still running when the launch timed out"
         return self.message or self.kind or "stopped"
+
+    @property
+    def is_echo(self) -> bool:
+        """An exception that reads like a peer's failure seen from here (``ECHO``), not a cause."""
+        return self.kind == "exception" and bool(ECHO.search(self.message))
 
     @property
     def finished_anyway(self) -> bool:

@@ -21,9 +21,11 @@ How it works, in the order things happen:
    ``torchrun``, and gloo/NCCL are told to use the loopback interface.
 4. **Supervision.** One loop in the calling thread reads every worker's stdout/stderr (printed as
    whole lines prefixed with the rank), results, progress reports and exit status.  When a rank
-   fails, the others are killed at once; ``timeout`` seconds after every rank has started the
-   function (starting a worker, which may import modules, is not counted, up to ``STARTUP_GRACE``
-   seconds), the stuck ranks' Python stacks are collected (``faulthandler``) and they are killed.
+   fails, the others are killed at once (when the failure only echoes another rank's, such as a
+   closed connection, after up to ``ECHO_GRACE`` seconds for the cause to arrive).  ``timeout``
+   seconds after every rank has started the function (starting a worker, which may import
+   modules, is not counted, up to ``STARTUP_GRACE`` seconds), the stuck ranks' Python stacks are
+   collected (``faulthandler``) and they are killed.
 5. **Clean-up.** Each worker runs in its own process group and watches a pipe from the launcher: if
    the launcher (the notebook kernel) dies, the pipe closes and the worker kills its whole group.
    On any exit from ``launch`` (success, failure, KeyboardInterrupt) every worker is reaped and
@@ -362,6 +364,10 @@ def launch(
 
 
 STARTUP_GRACE = 60.0  # seconds a worker may take to start its function, beyond ``timeout``
+# When the only failure so far is a peer's echo ("connection closed by peer"), the rank that caused
+# it may still be sending its own exception (it closed its connections first, in a ``finally``):
+# wait this long for it before stopping everyone, so that the cause is reported, not the echo.
+ECHO_GRACE = 2.0
 
 
 class _Supervisor:
@@ -374,6 +380,7 @@ class _Supervisor:
         deadline = time.monotonic() + STARTUP_GRACE + timeout  # until every rank has started
         all_started = False
         first_done: float | None = None
+        echo_since: float | None = None
         try:
             while not all(r.exited for r in self.ranks):
                 now = time.monotonic()
@@ -391,8 +398,13 @@ class _Supervisor:
                     remaining = min(remaining, first_done + finish_within - now + 0.01)
                 for key, _ in self.sel.select(timeout=min(remaining, 0.2)):
                     self._handle(*key.data, key.fd)
-                if any(r.exited and r.failure() is not None for r in self.ranks):
+                failed = [f for r in self.ranks if r.exited and (f := r.failure()) is not None]
+                if failed and not all(f.is_echo for f in failed):
                     break
+                if failed:  # only a peer's echo so far: its cause may still be on its way
+                    echo_since = echo_since or now
+                    if now - echo_since > ECHO_GRACE:
+                        break
             # Gather output still in the pipes (a worker may exit before its last lines are read).
             self._drain(2.0 if any(not r.exited for r in self.ranks) else 5.0)
             failures = {r.rank: f for r in self.ranks if r.exited and (f := r.failure()) is not None}
@@ -421,9 +433,14 @@ class _Supervisor:
         raise WorkerTimeout(failures, summary, early_finish)
 
     def _fail(self, failures: dict[int, RankFailure]) -> None:
-        first = min(failures)
         _kill_all(self.ranks)
         self._drain(1.0)
+        # A rank whose own exception was still in its pipe when another rank's failure was seen
+        # (under load, the echo of a failure can be read before its cause) failed too.
+        for r in self.ranks:
+            if r.rank not in failures and r.exited and r.result is not None and r.result[0] == "exc":
+                failures[r.rank] = r.failure()  # type: ignore[assignment]
+        first = min(failures)
         for r in self.ranks:
             if r.rank not in failures:
                 failures[r.rank] = RankFailure(
