@@ -39,7 +39,7 @@ lab: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 
-# Solutions that tests/test_three_learners.py executes at the same time, as three learners would,
+# Solutions that tests/system/test_three_learners.py executes at the same time, as three learners would,
 # requiring every cell to run and every checker to pass: nbval does not run them a second time.
 RUN_TOGETHER = solutions/03_collectives.ipynb solutions/04_ddp.ipynb solutions/05_data_loading.ipynb
 

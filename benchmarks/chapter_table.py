@@ -4,7 +4,7 @@
 
 Machine times are measured (``benchmarks/chapter_times.py``); reading times are an estimate from
 the notebooks' length: Markdown words at 200 words a minute plus code at 20 lines a minute,
-rounded up to 5 minutes.  ``tests/test_instructors.py`` checks that INSTRUCTORS.md holds exactly
+rounded up to 5 minutes.  ``tests/library/test_instructors.py`` checks that INSTRUCTORS.md holds exactly
 this table: after re-running the measurement, ``--write`` puts the new table in.
 """
 

@@ -1,32 +1,74 @@
-"""Exercise checkers, one module per chapter (``ch03.py`` holds chapter 03's).
+"""The exercise checkers, one line per checker: ``from course_utils.checks import check_ring_all_reduce``.
 
-Import them from here: ``from course_utils.checks import check_ring_allreduce``.  Each chapter
-module lists its checkers in ``__all__``; this package finds them by name on first use.
+Each chapter module (``ch03.py`` holds chapter 03's checkers) declares its misconception catalogue
+and its checkers; measurements the lessons use live in ``course_utils.measure``.
 """
 
-from __future__ import annotations
+from .ch01 import check_evaluate, check_shard_gradients, check_train_step
+from .ch02 import check_dp_step
+from .ch03 import ForbiddenCollective, check_all_reduce_mean, check_ring_all_reduce
+from .ch04 import check_hand_allreduce, check_mini_ddp
+from .ch05 import check_bucket_sampler, padding_waste
+from .ch06 import check_launch_commands, check_resumable
+from .ch07 import accumulation_verdicts, check_accumulation_step, check_scaled_lr
+from .ch08 import amp_verdicts, check_amp_step, deprecated_amp_calls
+from .ch09 import (
+    check_checkpoint_collective,
+    check_distributed_loader,
+    check_eval_no_leak,
+    check_metrics_sync,
+    check_nan_skip_step,
+    check_uneven_join,
+)
+from .ch10 import (
+    MISCONCEPTIONS,
+    allreduce_seconds,
+    check_bucketed_ddp,
+    check_comm_prediction,
+    check_sharded_optimizer,
+    compare_bucketed_speed,
+    fit_alpha_beta,
+    measure_sharded_memory,
+    measured_rounds,
+    ring_factor,
+    speed_verdict,
+)
 
-import importlib
-import pkgutil
-from typing import Any
-
-
-def _chapter_modules() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith("ch"))
-
-
-def __getattr__(name: str) -> Any:
-    for mod_name in _chapter_modules():
-        mod = importlib.import_module(f"{__name__}.{mod_name}")
-        if name in getattr(mod, "__all__", ()):
-            value = getattr(mod, name)
-            globals()[name] = value
-            return value
-    raise AttributeError(f"course_utils.checks has no checker named {name!r}")
-
-
-def __dir__() -> list[str]:
-    names = []
-    for mod_name in _chapter_modules():
-        names += list(getattr(importlib.import_module(f"{__name__}.{mod_name}"), "__all__", ()))
-    return sorted(names)
+__all__ = [
+    "check_train_step",
+    "check_evaluate",
+    "check_shard_gradients",
+    "check_dp_step",
+    "check_all_reduce_mean",
+    "check_ring_all_reduce",
+    "ForbiddenCollective",
+    "check_hand_allreduce",
+    "check_mini_ddp",
+    "check_bucket_sampler",
+    "padding_waste",
+    "check_launch_commands",
+    "check_resumable",
+    "check_accumulation_step",
+    "check_scaled_lr",
+    "accumulation_verdicts",
+    "check_amp_step",
+    "amp_verdicts",
+    "deprecated_amp_calls",
+    "check_checkpoint_collective",
+    "check_distributed_loader",
+    "check_metrics_sync",
+    "check_nan_skip_step",
+    "check_uneven_join",
+    "check_eval_no_leak",
+    "check_bucketed_ddp",
+    "check_sharded_optimizer",
+    "check_comm_prediction",
+    "measured_rounds",
+    "MISCONCEPTIONS",
+    "ring_factor",
+    "fit_alpha_beta",
+    "allreduce_seconds",
+    "compare_bucketed_speed",
+    "speed_verdict",
+    "measure_sharded_memory",
+]

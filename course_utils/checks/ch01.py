@@ -2,7 +2,7 @@
 that weighs every sample equally, and the gradient of a batch rebuilt from the gradients of its shards
 (data parallelism on one process).
 
-What learners get wrong, and the message each one gets (tests/test_ch01_checks.py holds an answer
+What learners get wrong, and the message each one gets (tests/checkers/test_ch01_checks.py holds an answer
 written with each misconception):
 
 01.a training step with clipping, ``train_step(model, optimizer, x, y, max_norm) -> (loss, norm)``

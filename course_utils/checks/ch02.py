@@ -7,7 +7,7 @@ It also watches *how* the step ran: into how many pieces the batch was cut, on w
 and in which threads the forward passes ran, and whether the replicas were running at the same time
 (each replica's forward waits, for a bounded time, until every replica has started its own).
 
-What learners get wrong, and the message each one gets (tests/test_ch02_dp_step.py holds an answer
+What learners get wrong, and the message each one gets (tests/checkers/test_ch02_dp_step.py holds an answer
 written with each misconception):
 - "any even-ish split will do" (tensor_split, a hand-made split) -> "cuts the batch like torch.chunk";
 - "the threads can share the model" (no replicas) -> "the original `model` ran on a chunk";

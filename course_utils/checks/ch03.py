@@ -232,7 +232,7 @@ def _run(fn: Callable, worlds: Sequence[int], cases: list, forbidden: Sequence[s
 # 03.a all-reduce mean from other primitives
 # --------------------------------------------------------------------------------------------
 #
-# What learners get wrong, and the message each one gets (tests/test_ch03_collectives.py holds
+# What learners get wrong, and the message each one gets (tests/checkers/test_ch03_collectives.py holds
 # an answer written with each misconception):
 # - "the sum is enough": no division by the world size -> "got the SUM ... Divide by";
 # - "dist.reduce gives everybody the result": it leaves it on dst only -> "follow it with
@@ -337,7 +337,7 @@ def check_all_reduce_mean(all_reduce_mean: Callable[[torch.Tensor], Any], *,
 # 03.b ring all-reduce from send/recv
 # --------------------------------------------------------------------------------------------
 
-# What learners get wrong, and the message each one gets (tests/test_ch03_collectives.py holds
+# What learners get wrong, and the message each one gets (tests/checkers/test_ch03_collectives.py holds
 # an answer written with each misconception):
 # - "the reduce-scatter is the all-reduce": all-gather phase missing -> "all-gather phase is missing";
 # - "received pieces are always added": adding in the all-gather -> "full sum PLUS a partial sum";

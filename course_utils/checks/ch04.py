@@ -15,7 +15,7 @@ rank) next to torch's own ``DistributedDataParallel`` on the same data, and comp
   once per step, a shared one once, a frozen one never), whether it starts during backward and
   asynchronously, and whether ``finish_gradient_synchronization()`` waits for every handle.
 
-Misconceptions 04.a recognises (tests/test_ch04_hand_allreduce.py, the wrong answer in brackets):
+Misconceptions 04.a recognises (tests/checkers/test_ch04_hand_allreduce.py, the wrong answer in brackets):
 
 - "all-reduce sums, and that is what DDP does" -> no division by the world size
   [sums_instead_of_averaging];
@@ -29,7 +29,7 @@ Misconceptions 04.a recognises (tests/test_ch04_hand_allreduce.py, the wrong ans
 Right answers written differently pass: one flat buffer per step [right_with_a_flat_buffer], the
 loss divided by the world size before backward and the gradients summed [right_dividing_first].
 
-04.b's misconceptions (tests/test_ch04_mini_ddp.py, the wrong class in brackets):
+04.b's misconceptions (tests/checkers/test_ch04_mini_ddp.py, the wrong class in brackets):
 
 - "hooks are an optimisation, a loop after backward does the same": right numbers, nothing
   overlaps backward [AllReduceLoopAfterBackward];

@@ -9,7 +9,7 @@
   one round of batches, reshuffled every epoch identically on every rank, the same number of
   batches on every rank, ``len()`` telling the truth, and little padding.
 
-Misconceptions it recognises (tests/test_ch05_bucket_sampler.py, the wrong class in brackets):
+Misconceptions it recognises (tests/checkers/test_ch05_bucket_sampler.py, the wrong class in brackets):
 
 - the source article's sampler: bucketing alone, every rank reads the same batches [ArticleSampler];
 - "num_replicas and rank are only needed in tests": left out, both real ranks read the same

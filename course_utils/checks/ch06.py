@@ -14,7 +14,7 @@
   uninterrupted run trained on from there (sample ids compared batch by batch: none repeated,
   none skipped), ending with the same model, optimizer state and learning rate.
 
-Misconceptions recognised (tests/test_ch06_checks.py, the wrong answer in brackets).
+Misconceptions recognised (tests/checkers/test_ch06_checks.py, the wrong answer in brackets).
 06.a: "--nproc_per_node is the number of GPUs in the cluster" [commands_total_gpus]; "--nnodes counts
 GPUs" [commands_nnodes_is_gpus]; a rendezvous id per node [commands_id_per_node]; localhost as the
 endpoint on every node [commands_localhost_everywhere]; ``--standalone`` on a cluster

@@ -7,7 +7,7 @@ ran; ``no_sync`` and the forward passes are recorded; the gradients are captured
 ``optimizer.step()`` runs; parameters and momentum buffers are compared with a single process that
 trains on the whole global batch.
 
-Misconceptions it recognises (tests/test_ch07_accumulation.py, test name in brackets):
+Misconceptions it recognises (tests/checkers/test_ch07_accumulation.py, test name in brackets):
 
 - "DDP only averages, so the loss needs no division by k" -> gradients k times too large
   [acc_forgets_to_divide];

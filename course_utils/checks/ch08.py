@@ -9,7 +9,7 @@ torch's own calls), the checker records what the step did, in order: which autoc
 ``clip_grad_norm_``, ``scaler.step`` / ``optimizer.step``, ``scaler.update``, and whether this
 rank's backward reached DDP's all-reduce.
 
-Misconceptions it recognises (tests/test_ch08_amp.py, test name in brackets):
+Misconceptions it recognises (tests/checkers/test_ch08_amp.py, test name in brackets):
 
 - "clip first, then unscale" -> the norm of scaled gradients is clipped [amp_clips_before_unscaling];
 - "GradScaler replaces clipping" -> no clipping [amp_never_clips];

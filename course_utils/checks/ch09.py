@@ -14,7 +14,7 @@ reference computed in the same workers.
 | 09.e | ``train_uneven(model, optimizer, batches) -> int`` | uneven inputs: hang at the last batch |
 | 09.f | ``evaluate(model, batches) -> float`` | evaluation that builds graphs (memory leak) |
 
-Misconceptions recognised (tests/test_ch09_checks.py; the message names each one and its fix):
+Misconceptions recognised (tests/checkers/test_ch09_checks.py; the message names each one and its fix):
 
 - 09.a: the all-reduce only under ``if rank == 0:`` (hang, both ranks' positions shown); the
   barrier inside ``if rank == 0:`` "so that the others wait for the save" (rank 0 waits alone: a

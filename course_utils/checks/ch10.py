@@ -18,7 +18,7 @@ correctness, and print their verdict instead of passing or failing):
   plain AdamW and the ideal 1/N.
 
 Each checker's docstring and the ``MISCONCEPTIONS`` table below list the mistakes it recognises;
-``tests/test_ch10_*.py`` gives each one to the checker, written as a learner would write it.
+``tests/checkers/test_ch10_*.py`` gives each one to the checker, written as a learner would write it.
 """
 
 from __future__ import annotations

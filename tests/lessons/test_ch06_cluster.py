@@ -1,7 +1,7 @@
 """Chapter 06: the cluster templates, the two-host network namespaces, and the helper files.
 
 - the Slurm templates and the two-machine recipe parse (``bash -n``) and their dry runs print the
-  commands a cluster needs (tests/test_slurm.py submits the templates to a real, local cluster);
+  commands a cluster needs (tests/system/test_slurm.py submits the templates to a real, local cluster);
 - the namespaces are made and always removed, also when the code inside fails (root only);
 - the lesson writes every ``ch06_*`` helper file (that each equals its cell: test_helper_files.py).
 """
@@ -19,7 +19,7 @@ from test_helper_files import writefile_cells
 
 from course_utils import free_port, run_commands
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 LESSON = NOTEBOOKS / "06_multi_node.ipynb"
 
 

@@ -19,7 +19,7 @@ import torch
 
 from course_utils import launch, run_commands
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 QUIET = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 

@@ -10,7 +10,7 @@ import pytest
 
 from course_utils.exercises import exercise_notebook, generate, strip_solutions
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 
 

@@ -24,7 +24,7 @@ from course_utils.checks import check_mini_ddp
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str, path: Path):

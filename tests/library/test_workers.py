@@ -24,7 +24,7 @@ from course_utils import launch
 from course_utils.workers import budget
 from course_utils.workers.lines import LineSplitter
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "course_utils"
+PKG = Path(__file__).resolve().parents[2] / "course_utils"
 # Imported lazily, where used, because the course runs without them or they are slow to import.
 OPTIONAL = ("IPython", "ipywidgets", "pynvml", "matplotlib",
             # gpu_check starts on GPU machines without Jupyter and installs these itself

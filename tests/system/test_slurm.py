@@ -30,7 +30,7 @@ import torch
 
 from course_utils import slurm_cluster
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 REASON = slurm_cluster.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no local Slurm cluster: {REASON}")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 LESSONS = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb") if "%%writefile" in p.read_text())
 
 

@@ -21,7 +21,7 @@ from course_utils.checks.ch10 import (
     speed_verdict,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "solutions"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "solutions"))
 import mini_ddp  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SITE = Path(sysconfig.get_paths()["purelib"])
 HIDDEN = "nvidia_ml_py"  # the dependency that must come from the wheelhouse
 

@@ -1,56 +1,57 @@
-"""What every checker shares: ``CheckFailed``, running learner code in workers, comparing results.
+"""The skeleton of every checker: a decorator, workers that open one process group, one result type.
 
-A checker takes the learner's function or object, runs it against the real thing and either
-prints one short line starting with ``[PASS]`` or raises ``CheckFailed`` saying what was expected,
-what came out, on which rank, and what the usual mistake is.
+A checker reads in three steps::
 
-- ``@checker("NN.x name")`` names the exercise, records pass/fail, turns stubs into "not done yet";
-- ``run_workers`` runs a checker's worker function on several ranks: an exception in the learner's
-  code, a stub's ``NotImplementedError``, a hang, a crash or a signal all become one ``CheckFailed``
-  that names the rank and the usual cause;
-- a worker returns an ``Outcome`` (or any picklable value); ``first_problem`` raises the first
-  problem a rank reported;
-- ``close``, ``compare_tensors``, ``diff_table`` compare results; ``state_to_cpu`` and
-  ``wrap_ddp`` are the small steps every chapter's workers repeat.
+    @checker("NN.x name")                          # names the exercise, records pass/fail
+    def check_thing(learner_fn):
+        require_callable(learner_fn, "thing(x)")
+        outcomes = run_workers(_worker, 2, args=(learner_fn,))   # the learner's code in workers
+        judge(outcomes)                             # the notebook process turns them into a verdict
+
+    def _worker(learner_fn) -> Outcome:
+        with process_group() as pg:                 # opened and closed the same way everywhere
+            ...
+            return Outcome(pg.rank, problem="...", data={...})
+
+- ``checker`` turns a stub's ``NotImplementedError`` into "not done yet" and any other crash of the
+  learner's code in the notebook process into a ``CheckFailed`` that shows it;
+- ``run_workers`` runs the worker on several ranks: an exception in the learner's code, a stub, a
+  hang, a crash or a signal all become one ``CheckFailed`` that names the rank and the usual cause;
+- ``process_group`` opens a worker's default group (gloo on CPU, NCCL with ``device_id`` where the
+  rank owns a GPU) and closes it in the right order, also when the learner's code raised;
+- every worker returns an ``Outcome``; ``judge`` (or ``first_problem``) raises the first problem a
+  rank reported, lowest rank first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
+import torch.distributed as dist
 
-from .monitor import NullDisplay
-from .progress import record
-from .workers.errors import RankFailure, WorkerError, WorkerTimeout
-from .workers.supervisor import launch
+from ..devices import backend_and_device, process_group_kwargs
+from ..monitor import NullDisplay
+from ..progress import record
+from ..workers.errors import RankFailure, WorkerError, WorkerTimeout, indent
+from ..workers.supervisor import launch
+from .errors import CheckFailed
 
 __all__ = [
-    "CheckFailed",
     "checker",
     "run_workers",
+    "process_group",
+    "Group",
     "Outcome",
     "first_problem",
+    "judge",
     "learner_frames",
-    "close",
-    "compare_tensors",
-    "diff_table",
-    "format_table",
-    "state_to_cpu",
-    "wrap_ddp",
-    "as_tensor",
-    "as_float",
-    "require_callable",
 ]
-
-
-class CheckFailed(AssertionError):
-    """The learner's answer is wrong; the message says how and what usually causes it."""
 
 
 def checker(exercise: str) -> Callable:
@@ -97,89 +98,6 @@ def _record(exercise: str, passed: bool) -> None:
         pass
 
 
-def require_callable(obj: Any, what: str) -> None:
-    """Reject None and non-callables with a message that says what was expected."""
-    if obj is None:
-        raise CheckFailed(f"expected {what}, got None. Did the cell that defines it run?")
-    if not callable(obj):
-        raise CheckFailed(f"expected {what} (a function), got a {type(obj).__name__}")
-
-
-def as_tensor(value: Any, name: str, *, like: torch.Tensor | None = None) -> torch.Tensor:
-    """``value`` as a tensor, or a CheckFailed naming what was wrong with it."""
-    if value is None:
-        raise CheckFailed(f"{name}: expected a tensor, got None (a missing `return`?)")
-    if not isinstance(value, torch.Tensor):
-        raise CheckFailed(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if like is not None:
-        if value.shape != like.shape:
-            raise CheckFailed(f"{name}: expected shape {tuple(like.shape)}, got {tuple(value.shape)}")
-        if value.dtype != like.dtype:
-            raise CheckFailed(f"{name}: expected dtype {like.dtype}, got {value.dtype}")
-    return value
-
-
-def as_float(value: Any) -> Any:
-    """A learner's returned number as a float, or ``("not a number", type name)`` to report."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.detach().cpu())
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return ("not a number", type(value).__name__)
-
-
-def diff_table(
-    expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]
-) -> list[tuple[str, float, bool]]:
-    """Max abs difference per tensor name; names missing in ``got`` count as infinitely wrong."""
-    rows = []
-    for name, e in expected.items():
-        g = got.get(name)
-        if g is None or g.shape != e.shape:
-            rows.append((name, float("inf"), False))
-        else:
-            diff = g.detach().double().cpu() - e.detach().double().cpu()
-            d = diff.abs().max().item() if e.numel() else 0.0
-            rows.append((name, d, torch.equal(g.detach().cpu(), e.detach().cpu())))
-    return rows
-
-
-def format_table(rows: Iterable[tuple[str, float, bool]], atol: float) -> str:
-    lines = [f"  {'tensor':<28} {'max abs diff':>12}  verdict"]
-    for name, d, exact in rows:
-        verdict = "exact" if exact else ("close" if d <= atol else "DIFFERENT")
-        lines.append(f"  {name:<28} {d:>12.3g}  {verdict}")
-    return "\n".join(lines)
-
-
-def compare_tensors(
-    expected: Mapping[str, torch.Tensor],
-    got: Mapping[str, torch.Tensor],
-    *,
-    atol: float = 1e-5,
-    what: str = "parameters",
-    where: str = "",
-    hint: str = "",
-    show: bool = False,
-) -> float:
-    """Compare named tensors; raise CheckFailed with a per-tensor table when any differs.
-
-    Returns the largest difference.  ``where`` names the rank, ``hint`` the usual mistake.
-    """
-    rows = diff_table(expected, got)
-    worst = max((d for _, d, _ in rows), default=0.0)
-    table = format_table(rows, atol)
-    if worst > atol or worst != worst:
-        loc = f" on {where}" if where else ""
-        raise CheckFailed(
-            f"{what}{loc} differ from the reference by up to {worst:.3g} (tolerance {atol:g}):\n"
-            f"{table}" + (f"\nUsual mistake: {hint}" if hint else "")
-        )
-    if show:
-        print(table)
-    return worst
-
-
 # --------------------------------------------------------------------------------------------
 # Running the learner's code in workers
 # --------------------------------------------------------------------------------------------
@@ -209,8 +127,59 @@ def first_problem(outcomes: Sequence[Any]) -> None:
             raise CheckFailed(f"rank {o.rank}: {o.problem}")
 
 
+
+def judge(outcomes: Sequence[Any], *, world: int | None = None) -> list[Outcome]:
+    """The notebook side of a checker: every rank's ``Outcome``, or the first problem as CheckFailed.
+
+    ``world`` (when given) requires one ``Outcome`` per rank: a worker that returned something
+    else is a bug of the checker, reported as such rather than judged.
+    """
+    got = [o for o in outcomes if isinstance(o, Outcome)]
+    if world is not None and len(got) != world:
+        kinds = ", ".join(type(o).__name__ for o in outcomes)
+        raise RuntimeError(f"checker bug: expected {world} Outcome(s), the workers returned {kinds}")
+    first_problem(got)
+    return sorted(got, key=lambda o: o.rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """What ``process_group`` opened: this rank, the world size, the backend and the rank's device."""
+
+    rank: int
+    world: int
+    backend: str
+    device: torch.device
+
+
+@contextlib.contextmanager
+def process_group(backend: str | None = None) -> Iterator[Group]:
+    """Open this worker's default process group; close it on the way out, also after an error.
+
+    ``backend=None`` takes ``backend_and_device()``: NCCL with the rank's own GPU (bound before any
+    other CUDA call, and passed as ``device_id``) when there is one GPU per rank, else gloo on CPU.
+    ``backend="gloo"`` forces gloo on CPU (a checker that must see CPU tensors).
+
+    Teardown order: objects the body dropped are collected first (a DDP reducer that outlives its
+    group can hang a gloo process at exit), pending GPU work is waited for, then the group is
+    destroyed, unless the body destroyed it already.
+    """
+    if backend is None:
+        backend, device = backend_and_device()
+    else:
+        device = torch.device("cpu") if backend == "gloo" else backend_and_device()[1]
+    dist.init_process_group(**process_group_kwargs(backend, device))
+    try:
+        yield Group(dist.get_rank(), dist.get_world_size(), backend, device)
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
 # Frames of the checker and of the launcher: the learner cannot act on them.
-_CHECKER_FRAMES = ("course_utils/checks/", "course_utils/checking.py", "course_utils/workers/",
+_CHECKER_FRAMES = ("course_utils/checks/", "course_utils/checking/", "course_utils/workers/",
                    "torch/distributed/", "torch/nn/modules/module.py", "torch/nn/parallel/")
 
 
@@ -317,7 +286,7 @@ def _hang_message(e: WorkerTimeout, progress: NullDisplay, timeout: float, hint:
     parts = [head]
     for r in stuck:
         stack = learner_frames(e.failures[r].stack)
-        parts.append(f"rank {r}{_where(progress, r)} was stuck here:\n" + _indent(stack or "(no stack)"))
+        parts.append(f"rank {r}{_where(progress, r)} was stuck here:\n" + indent(stack or "(no stack)"))
     if hint:
         parts.append(f"Usual mistake: {hint}")
     return "\n".join(parts)
@@ -345,59 +314,10 @@ def _error_message(e: WorkerError, progress: NullDisplay, hint: str) -> str:
     if f.kind == "exception":
         head = f"rank {f.rank}{where}: your code raised {f.exc_type}: {f.message}"
         frames = learner_frames(f.traceback)
-        body = "\n" + _indent(frames) if frames else ""
+        body = "\n" + indent(frames) if frames else ""
     else:
         head = f"rank {f.rank}{where}: " + f.describe().split(" ", 2)[2]
         body = ""
     others = [g.rank for g in roots[1:]]
     tail = f"\n(rank(s) {', '.join(map(str, others))} failed too.)" if others else ""
     return head + body + tail + (f"\nUsual mistake: {hint}" if hint else "")
-
-
-def _indent(text: str, prefix: str = "    ") -> str:
-    return "\n".join(prefix + line for line in text.splitlines())
-
-
-# --------------------------------------------------------------------------------------------
-# Small steps every chapter's workers repeat
-# --------------------------------------------------------------------------------------------
-
-
-def state_to_cpu(obj: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of a module's state dict (parameters and buffers) or of a mapping.
-
-    A DDP model's ``module.`` prefix is dropped, so a DDP model and a plain one compare by name.
-    """
-    if isinstance(obj, DistributedDataParallel):
-        obj = obj.module
-    items = obj.state_dict().items() if isinstance(obj, torch.nn.Module) else obj.items()
-    return {k: v.detach().cpu().clone() for k, v in items if isinstance(v, torch.Tensor)}
-
-
-def wrap_ddp(model: torch.nn.Module, device: torch.device, **kwargs: Any) -> DistributedDataParallel:
-    """``model`` moved to ``device`` and wrapped in DDP the way each rank needs it on CPU or GPU."""
-    model = model.to(device)
-    if device.type == "cuda":
-        return DistributedDataParallel(model, device_ids=[device.index], **kwargs)
-    return DistributedDataParallel(model, **kwargs)
-
-
-def close(a: Any, b: Any, *, atol: float = 1e-5, rtol: float = 0.0) -> bool:
-    """Whether ``a`` and ``b`` agree: tensors, numbers, and (nested) mappings or sequences of them.
-
-    Tensors must have the same shape; NaN never agrees with anything.
-    """
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
-            return False
-        if a.numel() == 0:
-            return True
-        a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
-        return bool(torch.allclose(a64, b64, atol=atol, rtol=rtol))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(close(a[k], b[k], atol=atol, rtol=rtol) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(close(x, y, atol=atol, rtol=rtol) for x, y in zip(a, b))
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
-    return a == b

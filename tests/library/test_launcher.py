@@ -19,7 +19,7 @@ import torch.distributed as dist
 from course_utils import WorkerError, WorkerTimeout, launch, run_commands
 from course_utils.devices import choose_backend
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
             "MASTER_PORT"]

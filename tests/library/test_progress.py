@@ -19,7 +19,7 @@ from course_utils.checking import CheckFailed, checker
 # The module, not the package's ``progress()`` function of the same name.
 progress = importlib.import_module("course_utils.progress")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

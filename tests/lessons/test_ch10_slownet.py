@@ -12,7 +12,7 @@ import pytest
 
 from course_utils import CommandFailed
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 sys.path.insert(0, str(NOTEBOOKS))  # ch10_slownet imports ch06_netns by name, as a script beside it does
 import ch06_netns  # noqa: E402
 import ch10_slownet  # noqa: E402

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import course_utils.checks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ["solutions/03_collectives.ipynb", "solutions/04_ddp.ipynb", "solutions/05_data_loading.ipynb"]
 
 _spec = importlib.util.spec_from_file_location("_measure", ROOT / "benchmarks" / "_measure.py")

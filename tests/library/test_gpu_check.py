@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from course_utils import devices, gpu_check
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- the dry run ---------------------------------------------------------------------------

@@ -1,0 +1,128 @@
+"""The checker skeleton: ``process_group`` and ``CollectiveSpy``, also when the learner's code raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from course_utils.checking import (
+    Catalogue,
+    CheckFailed,
+    CollectiveSpy,
+    Misconception,
+    Outcome,
+    judge,
+    process_group,
+    run_workers,
+)
+
+REAL = {op: (getattr(dist, op), getattr(c10d, op)) for op in ("all_reduce", "broadcast", "barrier")}
+
+
+def _raising() -> dict:
+    """The body communicates, then raises; the group must be gone afterwards."""
+    total = 0.0
+    try:
+        with process_group("gloo") as pg:
+            t = torch.ones(1) * (pg.rank + 1)
+            dist.all_reduce(t)
+            total = float(t)
+            raise ValueError("learner bug")
+    except ValueError:
+        pass
+    return {"closed_after_error": not dist.is_initialized(), "total": total}
+
+
+def test_process_group_closes_after_the_body_raises():
+    assert run_workers(_raising, 2, timeout=60) == [{"closed_after_error": True, "total": 3.0}] * 2
+
+
+def _destroys_itself() -> bool:
+    with process_group("gloo"):
+        dist.destroy_process_group()  # the learner's code tore it down already
+    return dist.is_initialized()
+
+
+def test_process_group_tolerates_a_body_that_destroyed_the_group():
+    assert run_workers(_destroys_itself, 2, timeout=60) == [False, False]
+
+
+def _spied() -> dict:
+    with process_group("gloo") as pg:
+        w = torch.nn.Parameter(torch.ones(4))
+        handles = []
+
+        def hook(p: torch.Tensor) -> None:
+            handles.append(dist.all_reduce(p.grad, async_op=True))
+
+        w.register_post_accumulate_grad_hook(hook)
+        def is_grad(op: str, t: torch.Tensor | None) -> dict:
+            return {"is_grad": t is w.grad}
+
+        with CollectiveSpy(("all_reduce", "broadcast"), annotate=is_grad) as spy:
+            spy.phase = "backward"
+            (w * (pg.rank + 1)).sum().backward()
+            spy.phase = "after"
+            dist.all_reduce(torch.zeros(2))           # blocking, outside backward
+            with spy.paused():
+                dist.broadcast(torch.zeros(1), 0)     # the checker's own: not recorded
+            dist.broadcast(torch.zeros(3), 0)
+            handles[0].wait()
+            try:
+                with CollectiveSpy(("all_reduce",)):
+                    raise RuntimeError("learner bug inside a spy")
+            except RuntimeError:
+                pass
+            # the inner spy put back the outer spy's functions, not torch's
+            nested_restored = dist.all_reduce is not REAL["all_reduce"][0]
+        calls = [(c.op, c.in_backward, c.async_op, c.waited, c.waited_in_phase, c.phase, c.nbytes,
+                  c.extra.get("is_grad")) for c in spy.calls]
+        restored = all(getattr(dist, op) is a and getattr(c10d, op) is b for op, (a, b) in REAL.items())
+        return {"calls": calls, "restored": restored, "nested": nested_restored, "grad": w.grad.tolist()}
+
+
+def test_spy_records_op_timing_and_waits_and_restores_everything():
+    out = run_workers(_spied, 2, timeout=60)
+    for o in out:
+        assert o["calls"] == [
+            ("all_reduce", True, True, True, "after", "backward", 16, True),
+            ("all_reduce", False, False, False, None, "after", 8, False),
+            ("broadcast", False, False, False, None, "after", 12, False),
+        ]
+        assert o["restored"] and o["nested"]
+        assert o["grad"] == [3.0] * 4
+
+
+def test_spy_restores_the_functions_when_the_body_raises():
+    with pytest.raises(ZeroDivisionError):
+        with CollectiveSpy(("all_reduce", "broadcast", "barrier")):
+            assert dist.all_reduce is not REAL["all_reduce"][0]
+            assert c10d.all_reduce is not REAL["all_reduce"][1]
+            raise ZeroDivisionError("learner bug")
+    assert all(getattr(dist, op) is a and getattr(c10d, op) is b for op, (a, b) in REAL.items())
+
+
+def _reports(problem_on: int) -> Outcome:
+    with process_group("gloo") as pg:
+        return Outcome(pg.rank, problem="it went wrong" if pg.rank == problem_on else "",
+                       data={"rank": pg.rank})
+
+
+def test_judge_names_the_lowest_rank_with_a_problem_and_returns_outcomes_in_rank_order():
+    ok = judge(run_workers(_reports, 2, args=(5,), timeout=60), world=2)
+    assert [o.data["rank"] for o in ok] == [0, 1]
+    with pytest.raises(CheckFailed, match="rank 1: it went wrong"):
+        judge(run_workers(_reports, 2, args=(1,), timeout=60), world=2)
+    with pytest.raises(RuntimeError, match="checker bug"):
+        judge([Outcome(0), {"not": "an outcome"}], world=2)
+
+
+def test_catalogue_refuses_duplicates_and_gives_hints():
+    m = Misconception("sums", "summing is enough", "gradients twice as large", "divide by the world size")
+    cat = Catalogue("00.x demo", m)
+    assert cat.hint("sums") == "divide by the world size" and cat.keys() == ["sums"]
+    assert "[sums]" in cat.markdown()
+    with pytest.raises(ValueError, match="duplicate"):
+        Catalogue("00.x demo", m, m)
