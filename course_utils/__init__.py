@@ -5,8 +5,10 @@ One module per job:
 - ``workers``     real worker processes: ``launch`` (``workers.supervisor``), ``run_commands``
                   (``workers.commands``), the errors they raise, the report channel, the thread budget
 - ``devices``     pick gloo or NCCL and this rank's device
-- ``checking``    ``CheckFailed``, the harness that runs learner code in workers, comparators
+- ``checking``    the checker skeleton: ``@checker``, ``run_workers``, ``process_group``, ``Outcome``,
+                  ``CollectiveSpy``, misconception catalogues, comparators
 - ``checks``      the exercise checkers, one module per chapter
+- ``measure``     the lessons' measurements (timings, fits, verdicts), one module per chapter
 - ``data``        the course's synthetic data sets and models
 - ``monitor``     ``report()`` from workers, the live display, GPU/CPU samplers
 - ``explore``     ``explore()``: re-run a measurement with widgets to change its parameters
