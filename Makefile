@@ -35,7 +35,7 @@ wheelhouse: $(BIN)/.installed
 lab: $(BIN)/.installed
 	$(BIN)/jupyter lab $(LAB_FLAGS) --notebook-dir=. notebooks/00_setup.ipynb
 
-# Ruff over the package, tests, benchmarks, scripts and the notebooks' code (rules in pyproject.toml).
+# Ruff over the package, tests, benchmarks, tools, scripts and the notebooks' code (rules in pyproject.toml).
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 
@@ -44,7 +44,7 @@ lint: $(BIN)/.installed
 RUN_TOGETHER = solutions/03_collectives.ipynb solutions/04_ddp.ipynb solutions/05_data_loading.ipynb
 
 test: lint
-	$(BIN)/python -m course_utils.exercises --check
+	$(BIN)/python tools/exercises.py --check
 	# One retry per unit test: torch 2.13's gloo process groups can, rarely, abort a worker at
 	# exit (see CONTRIBUTING.md); a test that fails twice fails the run.
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --reruns 1 -rs tests
@@ -52,7 +52,7 @@ test: lint
 		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks solutions $(RUN_TOGETHER:%=--ignore=%)
 
 exercises: $(BIN)/.installed
-	$(BIN)/python -m course_utils.exercises
+	$(BIN)/python tools/exercises.py
 
 # Re-run every lesson and solution notebook in place, one after the other, so that the
 # measurements in the committed outputs were taken on a quiet machine; the same run measures the
@@ -64,7 +64,7 @@ notebooks: $(BIN)/.installed
 	$(BIN)/python benchmarks/chapter_times.py --record $(if $(filter skip,$(QUIET)),,--quiet-wait 120) \
 		--note "make notebooks$(if $(filter skip,$(QUIET)), with QUIET=skip: the machine was not checked,; benchmarks/quiet.py found it quiet before each notebook)"
 	$(BIN)/python benchmarks/chapter_table.py --write
-	$(BIN)/python -m course_utils.exercises
+	$(BIN)/python tools/exercises.py
 
 doctor: $(BIN)/.installed
 	$(BIN)/python -m course_utils.doctor
@@ -83,10 +83,10 @@ GPU_CHECK_ARGS ?=
 .PHONY: gpu-check gpu-wheels
 
 gpu-check:
-	$(GPU_PYTHON) -m course_utils.gpu_check $(if $(DRY),--dry-run) $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) tools/gpu_check.py $(if $(DRY),--dry-run) $(GPU_CHECK_ARGS)
 
 gpu-wheels: $(BIN)/.installed
-	$(BIN)/python -m course_utils.gpu_check --download-wheels --python-version $(GPU_PY_VERSION)
+	$(BIN)/python tools/gpu_check.py --download-wheels --python-version $(GPU_PY_VERSION)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

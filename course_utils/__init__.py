@@ -12,14 +12,15 @@ One module per job:
 - ``data``        the course's synthetic data sets and models
 - ``monitor``     ``report()`` from workers, the live display, GPU/CPU samplers
 - ``explore``     ``explore()``: re-run a measurement with widgets to change its parameters
-- ``exercises``   generate ``exercises/`` from ``solutions/``
 - ``progress``    the learner's pass/fail table (``show_progress()``; ``python -m course_utils.progress``)
 - ``diagnose``    tools of the troubleshooting chapter (reachability, stragglers, duplicates, stacks)
 - ``resources``   CPU/GPU memory and utilisation samplers
 - ``doctor``      the environment self-check (``python -m course_utils.doctor``)
-- ``gpu_check``   run every notebook on a GPU machine and write a report (``make gpu-check``)
 - ``slurm_cluster`` a throwaway two-node Slurm cluster on this machine (chapter 06 and its tests)
 - ``workarounds`` workarounds for bugs of the installed torch, each with its upstream issue
+
+The maintainers' tools are not part of it: ``tools/`` beside it holds the exercise generator
+(``make exercises``) and the GPU check (``make gpu-check``), ``benchmarks/`` the measurement scripts.
 """
 
 from .checking import CheckFailed

@@ -20,8 +20,9 @@ The three set-ups the course meets:
 - a GPU per rank (Kaggle's 2xT4, a GPU server): NCCL, rank ``LOCAL_RANK`` on ``cuda:LOCAL_RANK``.
 
 With ``COURSE_DEVICE_LOG=/path/file.jsonl`` in the environment every choice is also appended to
-that file, one JSON line per call, from the notebook kernel and from every worker: that is how
-``python -m course_utils.gpu_check`` reports which backend and devices each notebook used.
+that file, one JSON line per call, from the notebook kernel and from every worker: that is how the
+GPU check (``tools/gpu_check.py``, ``make gpu-check``) reports which backend and devices each
+notebook used.
 """
 
 from __future__ import annotations

@@ -14,9 +14,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "course_utils"
 # Imported lazily, where used, because the course runs without them or they are slow to import.
-OPTIONAL = ("IPython", "ipywidgets", "pynvml", "matplotlib",
-            # gpu_check starts on GPU machines without Jupyter and installs these itself
-            "nbformat", "nbclient")
+OPTIONAL = ("IPython", "ipywidgets", "pynvml", "matplotlib")
 # Imports inside a function that are the point of the function.
 DELIBERATE = {("course_utils.workarounds", "torch._dynamo")}
 
@@ -152,3 +150,9 @@ def test_the_package_docstring_maps_every_module():
     top = {m.split(".")[1] for m in MODULES if m.count(".") >= 1}
     missing = sorted(n for n in top if not n.startswith("_") and n not in listed)
     assert not missing, f"course_utils/__init__.py's module map does not list: {missing}"
+
+
+def test_the_learners_package_holds_no_maintainer_tool():
+    """The GPU check and the exercise generator are scripts in ``tools/``, not modules a learner imports."""
+    tools = sorted(m for m in MODULES if m.rpartition(".")[2] in ("gpu_check", "exercises"))
+    assert not tools, f"maintainers' tools belong in tools/, not in course_utils/: {tools}"

@@ -1,9 +1,10 @@
-"""The GPU check (``python -m course_utils.gpu_check``, ``make gpu-check``) and the backend choice
+"""The GPU check (``python3 tools/gpu_check.py``, ``make gpu-check``) and the backend choice
 for no GPU, one GPU and a GPU per rank, all on this CPU: the runner on tiny notebooks, the dry run,
 and ``choose_backend`` with faked GPU counts."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -15,9 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_utils import devices, gpu_check
+from course_utils import devices
 
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "gpu_check.py"
+# A maintainer's script beside the course, not a module of its package: loaded from its file.
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
 
 
 # ---- the dry run ---------------------------------------------------------------------------
@@ -27,7 +33,7 @@ def test_make_gpu_check_dry_run_prints_the_plan():
     # The form CI runs; GPU_PYTHON is this interpreter where the suite does not run in the course's .venv.
     python = [] if Path(sys.executable).parent == ROOT / ".venv" / "bin" else [f"GPU_PYTHON={sys.executable}"]
     cmd = (["make", "--no-print-directory", "gpu-check", "DRY=1", *python]
-           if shutil.which("make") else [sys.executable, "-m", "course_utils.gpu_check", "--dry-run"])
+           if shutil.which("make") else [sys.executable, str(SCRIPT), "--dry-run"])
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout
     notebooks = sorted(ROOT.glob("notebooks/*.ipynb")) + sorted(ROOT.glob("solutions/*.ipynb"))
     assert f"run: {len(notebooks)} notebook(s), 1 at a time" in out and "limit of 240 s" in out
@@ -35,6 +41,26 @@ def test_make_gpu_check_dry_run_prints_the_plan():
     assert listed == [str(p.relative_to(ROOT)) for p in notebooks]  # every one, in this order
     assert "gpu-report" in out and "report.md" in out
     assert not (ROOT / "gpu-report" / "dry").exists()
+
+
+# What a GPU machine has before the set-up: python3, its torch, this folder, no course installed.
+BLOCK_COURSE_UTILS = """\
+import runpy, sys
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "course_utils":
+            raise ImportError("course_utils is not installed on this machine")
+sys.meta_path.insert(0, NotInstalled())
+sys.argv = [sys.argv[1], "--dry-run"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_gpu_check_starts_where_the_course_is_not_installed(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", BLOCK_COURSE_UTILS, str(SCRIPT)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "notebook(s), 1 at a time" in proc.stdout and "notebooks/00_setup.ipynb" in proc.stdout
 
 
 def test_dry_run_without_jupyter_shows_an_offline_set_up(monkeypatch, capsys, tmp_path):
@@ -70,7 +96,7 @@ def _notebook(path: Path, *sources: str) -> Path:
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, dict]:
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "course_utils.gpu_check", "--no-setup", "--out", str(out),
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--no-setup", "--out", str(out),
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=240)
     report = json.loads((out / "report.json").read_text())
     return proc.returncode, report

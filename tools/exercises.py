@@ -1,4 +1,4 @@
-"""Generate ``exercises/`` from ``solutions/``: ``python -m course_utils.exercises``.
+"""Generate ``exercises/`` from ``solutions/``: ``python tools/exercises.py`` (``make exercises``).
 
 ``solutions/`` is the single source.  In every notebook code cell and every ``.py`` module there,
 each block ::

@@ -3,9 +3,13 @@
 Meant for a short lease of a GPU machine, where it proves the CUDA/NCCL paths of the course in
 one command, but it runs anywhere (on a CPU the notebooks take their gloo paths)::
 
-    python3 -m course_utils.gpu_check                    # set up if needed, run, report
-    python3 -m course_utils.gpu_check --dry-run          # print what it would do, run nothing
-    python3 -m course_utils.gpu_check notebooks/08_mixed_precision.ipynb --timeout 120
+    python3 tools/gpu_check.py                           # set up if needed, run, report
+    python3 tools/gpu_check.py --dry-run                 # print what it would do, run nothing
+    python3 tools/gpu_check.py notebooks/08_mixed_precision.ipynb --timeout 120
+
+A maintainer's script beside the course, not part of the learner's package: it must start on a
+machine that has only ``python3``, its torch and this folder, before the course is installed.  So
+it imports nothing from ``course_utils`` and starts its own child processes by this file's path.
 
 Set-up.  A GPU machine often has its own CUDA build of torch, no network and no Jupyter.  So this
 uses the interpreter that runs it (the machine's ``python3``) and never installs torch.  When
@@ -48,7 +52,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve()
+ROOT = SCRIPT.parent.parent
 JUPYTER_PACKAGES = ["nbclient", "nbformat", "ipykernel", "ipywidgets"]
 #: Wheels brought along for the set-up: the Jupyter packages, and setuptools, which the editable
 #: install of the course builds with (the index is off, so pip cannot fetch it).
@@ -337,7 +342,7 @@ def _run_child(path: Path, a: argparse.Namespace, timeout: float) -> dict[str, A
     out = Path(a.out)
     res_file = out / "results" / f"{slug(path)}.json"
     res_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "course_utils.gpu_check", "--run-one", str(path), "--out", str(out),
+    cmd = [sys.executable, str(SCRIPT), "--run-one", str(path), "--out", str(out),
            "--timeout", str(timeout)]
     # Its own session, so that a child still running past its limit goes with all it started.
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
@@ -397,7 +402,7 @@ def run_all(a: argparse.Namespace, paths: list[Path]) -> int:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m course_utils.gpu_check",
+    ap = argparse.ArgumentParser(prog="python3 tools/gpu_check.py",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("notebooks", nargs="*", type=Path, help="default: notebooks/*.ipynb solutions/*.ipynb")
     ap.add_argument("--dry-run", action="store_true", help="print what would run; run nothing")
@@ -456,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     if needs_setup:
         py = set_up(a.venv, a.wheels)
         args = [*(argv if argv is not None else sys.argv[1:]), "--no-setup"]
-        os.execv(str(py), [str(py), "-m", "course_utils.gpu_check", *args])
+        os.execv(str(py), [str(py), str(SCRIPT), *args])
     return run_all(a, paths)
 
 
