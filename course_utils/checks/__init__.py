@@ -8,7 +8,7 @@ from .ch01 import check_evaluate, check_shard_gradients, check_train_step
 from .ch02 import check_dp_step
 from .ch03 import ForbiddenCollective, check_all_reduce_mean, check_ring_all_reduce
 from .ch04 import check_hand_allreduce, check_mini_ddp
-from .ch05 import check_bucket_sampler, padding_waste
+from .ch05 import check_bucket_sampler
 from .ch06 import check_launch_commands, check_resumable
 from .ch07 import accumulation_verdicts, check_accumulation_step, check_scaled_lr
 from .ch08 import amp_verdicts, check_amp_step, deprecated_amp_calls
@@ -45,7 +45,6 @@ __all__ = [
     "check_hand_allreduce",
     "check_mini_ddp",
     "check_bucket_sampler",
-    "padding_waste",
     "check_launch_commands",
     "check_resumable",
     "check_accumulation_step",

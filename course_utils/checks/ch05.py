@@ -9,23 +9,9 @@
   one round of batches, reshuffled every epoch identically on every rank, the same number of
   batches on every rank, ``len()`` telling the truth, and little padding.
 
-Misconceptions it recognises (tests/checkers/test_ch05_bucket_sampler.py, the wrong class in brackets):
-
-- the source article's sampler: bucketing alone, every rank reads the same batches [ArticleSampler];
-- "num_replicas and rank are only needed in tests": left out, both real ranks read the same
-  batches [IgnoresProcessGroup];
-- "the shuffle is fixed once" (no ``set_epoch``) [ForgetsEpoch];
-- "each rank needs its own random seed": the shards then overlap [SeedPerRank]; Python's global
-  ``random`` used for the shuffle, which differs between processes [GlobalRandom];
-- "ranks may get a different number of batches": the ranks with fewer finish first and the
-  others wait in their next all-reduce [UnevenBatches];
-- an incomplete batch dropped in every bucket instead of once per round [DropsPerBucket];
-- ``len()`` counting the batches of all ranks [LenCountsAllRanks]; random batches, no bucketing
-  [NoBucketing]; single indices yielded instead of lists [YieldsIndices];
-- "pad like DistributedSampler": the last round completed with repeated samples, which then
-  appear twice in the epoch, while the exercise asks for disjoint shards [PadsByRepeating];
-- "sorting by length is all the bucketing needs": the data set sorted once, never shuffled, so
-  every epoch runs from the shortest sequences to the longest [SortedNeverShuffled].
+The misconceptions it recognises are ``CATALOGUE`` below: each entry's key names the wrong
+sampler written with it in tests/checkers/test_ch05_bucket_sampler.py, its message is what the
+failure says.
 
 Right answers written differently pass: steps sorted with Python's ``sorted`` and dealt every
 N-th sample [Right]; numpy (``default_rng(seed + epoch)``, ``argsort``) with contiguous slices
@@ -40,23 +26,106 @@ from typing import Any
 
 import cloudpickle
 import torch
-import torch.distributed as dist
 
-from ..checking import CheckFailed, checker, require_callable, run_workers
+from ..checking import (
+    Catalogue,
+    CheckFailed,
+    Misconception,
+    Outcome,
+    checker,
+    judge,
+    process_group,
+    require_callable,
+    run_workers,
+)
 from ..data import make_sequences
-from ..devices import backend_and_device
+from ..measure.ch05 import padding_waste
 
-__all__ = ["check_bucket_sampler", "padding_waste"]
+__all__ = ["CATALOGUE", "check_bucket_sampler"]
 
 _N, _BATCH, _EPOCHS, _WORLDS = 1500, 16, 3, (2, 3)
 _MAX_WASTE = 0.20
 
-
-def padding_waste(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -> float:
-    """Share of the padded batch tensors that is padding: 1 - real tokens / (batch x longest)."""
-    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches if len(b))
-    real = sum(lengths[i] for b in batches for i in b)
-    return 1.0 - real / padded if padded else 0.0
+CATALOGUE = Catalogue(
+    "05.a bucket sampler",
+    Misconception(
+        "ArticleSampler",
+        "the source article's sampler: bucketing alone is enough under DDP",
+        "every simulated rank yields the same set of samples",
+        "every rank yielded the same samples, so each rank trains on the whole data set and the "
+        "world does the same work N times. The sampler is not distributed-aware (like the "
+        "article's LengthAwareSampler): after forming the batches, give rank r only its share of "
+        "them."),
+    Misconception(
+        "IgnoresProcessGroup",
+        "num_replicas and rank are only needed in tests",
+        "in real worker processes, with both left out, the two ranks read the same batches",
+        "with num_replicas and rank left out, both ranks got the same batches: when they are None, "
+        "read them from the process group (dist.get_world_size(), dist.get_rank()), as "
+        "DistributedSampler does."),
+    Misconception(
+        "ForgetsEpoch",
+        "the shuffle is fixed once (set_epoch stored, never used)",
+        "rank 0 yields the same batches in epoch 0 and epoch 1",
+        "rank 0 yields exactly the same batches in epoch 0 and epoch 1: set_epoch has no effect. "
+        "Seed the shuffle with seed + epoch (as DistributedSampler does), or every epoch repeats "
+        "the first one."),
+    Misconception(
+        "SeedPerRank",
+        "each rank needs its own random seed",
+        "two ranks' shards share samples",
+        "a seed that depends on the rank"),
+    Misconception(
+        "GlobalRandom",
+        "Python's global random shuffles as well as a seeded generator",
+        "two ranks' shards share samples: each process draws differently",
+        "Python's global random"),
+    Misconception(
+        "UnevenBatches",
+        "ranks may get a different number of batches",
+        "the simulated ranks yield different numbers of batches",
+        "The ranks with fewer batches finish the epoch first, and the others wait forever in their "
+        "next gradient all-reduce. Drop the last few batches so that their number is a multiple of "
+        "num_replicas (this exercise asks for disjoint shards, so no padding with repeated "
+        "samples)."),
+    Misconception(
+        "DropsPerBucket",
+        "an incomplete batch may be dropped in every bucket",
+        "a whole round of batches or more is missing from the epoch",
+        "dropping an incomplete batch in every bucket instead of once."),
+    Misconception(
+        "LenCountsAllRanks",
+        "len() counts the batches of all ranks",
+        "len(sampler) differs from the number of batches iterating yields",
+        "DataLoader and progress bars rely on len()"),
+    Misconception(
+        "NoBucketing",
+        "random batches are good enough",
+        "the padding is above the limit",
+        "Group samples of similar length: shuffle, cut into buckets of many batches, sort each "
+        "bucket by length, then cut it into batches."),
+    Misconception(
+        "YieldsIndices",
+        "a batch sampler yields indices, like a sampler",
+        "the sampler yields single ints instead of lists",
+        "a batch sampler yields lists of indices, one list per batch"),
+    Misconception(
+        "PadsByRepeating",
+        "pad the last round like DistributedSampler(drop_last=False)",
+        "some samples appear twice in the epoch while none is left out",
+        "the last round was padded by repeating samples, as DistributedSampler(drop_last=False) "
+        "does. This exercise asks for disjoint shards (a repeated sample counts twice in the "
+        "gradient): drop the incomplete last step instead"),
+    Misconception(
+        "SortedNeverShuffled",
+        "sorting by length is all the bucketing needs",
+        "rank 0's batches come in order of length, the same in every epoch",
+        "the data set was sorted once and never shuffled. The model then sees all short "
+        "sequences, then all long ones, in the same order each epoch, and the loss drifts with the "
+        "length instead of falling. Shuffle with torch.Generator().manual_seed(seed + epoch), sort "
+        "only within buckets of a few steps, and shuffle the order of the steps too."),
+)
+_hint = CATALOGUE.hint
 
 
 def _random_waste(lengths: Sequence[int], batch_size: int) -> float:
@@ -78,8 +147,8 @@ def _epoch_batches(cls: Any, lengths: list[int], world: int, epoch: int, **kw: A
         n = _len(sampler, rank)
         if n != len(per_rank[-1]):
             raise CheckFailed(f"rank {rank} of {world}, epoch {epoch}: len(sampler) is {n} but "
-                              f"iterating yields {len(per_rank[-1])} batches; DataLoader and "
-                              "progress bars rely on len()")
+                              f"iterating yields {len(per_rank[-1])} batches; "
+                              + _hint("LenCountsAllRanks"))
     return per_rank
 
 
@@ -95,8 +164,8 @@ def _as_batches(it: Any, rank: int) -> list[list[int]]:
     out = []
     for b in it:
         if isinstance(b, int) or not hasattr(b, "__iter__"):
-            raise CheckFailed(f"rank {rank}: the sampler yielded {b!r}, a single index; a batch "
-                              "sampler yields lists of indices, one list per batch")
+            raise CheckFailed(f"rank {rank}: the sampler yielded {b!r}, a single index; "
+                              + _hint("YieldsIndices"))
         batch = list(b)
         for i in batch:
             if not isinstance(i, int) or isinstance(i, bool):
@@ -110,11 +179,7 @@ def _judge_epoch(per_rank: list[list[list[int]]], world: int, epoch: int, n: int
     where = f"world size {world}, epoch {epoch}"
     sets = [set(i for b in batches for i in b) for batches in per_rank]
     if world > 1 and all(s == sets[0] for s in sets[1:]):
-        raise CheckFailed(
-            f"{where}: every rank yielded the same samples, so each rank trains on the whole data "
-            "set and the world does the same work N times. The sampler is not distributed-aware "
-            "(like the article's LengthAwareSampler): after forming the batches, give rank r only "
-            "its share of them.")
+        raise CheckFailed(f"{where}: " + _hint("ArticleSampler"))
     for rank, batches in enumerate(per_rank):
         for b in batches:
             if len(b) != _BATCH:
@@ -128,11 +193,9 @@ def _judge_epoch(per_rank: list[list[list[int]]], world: int, epoch: int, n: int
     extra = total - len(set().union(*sets))
     if 0 < extra < world * _BATCH and len(set().union(*sets)) == n:
         raise CheckFailed(
-            f"{where}: {extra} samples appear twice in this epoch, while none is left out: the last "
-            "round was padded by repeating samples, as DistributedSampler(drop_last=False) does. "
-            "This exercise asks for disjoint shards (a repeated sample counts twice in the "
-            "gradient): drop the incomplete last step instead, fewer than num_replicas x "
-            f"batch_size = {world * _BATCH} samples.")
+            f"{where}: {extra} samples appear twice in this epoch, while none is left out: "
+            + _hint("PadsByRepeating")
+            + f", fewer than num_replicas x batch_size = {world * _BATCH} samples.")
     for rank, batches in enumerate(per_rank):
         flat = [i for b in batches for i in b]
         if len(flat) != len(set(flat)):
@@ -144,26 +207,22 @@ def _judge_epoch(per_rank: list[list[list[int]]], world: int, epoch: int, n: int
             if common:
                 raise CheckFailed(
                     f"{where}: ranks {r} and {s} share {len(common)} samples (e.g. {sorted(common)[:3]}). "
-                    "Usual mistake: the ranks shuffled differently (a seed that depends on the rank, "
-                    "or Python's global random): every rank must build the same global list of "
+                    f"Usual mistake: the ranks shuffled differently ({_hint('SeedPerRank')}, "
+                    f"or {_hint('GlobalRandom')}): every rank must build the same global list of "
                     "batches from the same generator, torch.Generator().manual_seed(seed + epoch), "
                     "and then take its own share.")
     if len(set(counts)) > 1:
         raise CheckFailed(
             f"{where}: the ranks get different numbers of batches "
             f"({', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))}). "
-            "The ranks with fewer batches finish the epoch first, and the others wait forever in "
-            "their next gradient all-reduce. Drop the last few batches so that their number is a "
-            "multiple of num_replicas (this exercise asks for disjoint shards, so no padding with "
-            "repeated samples).")
+            + _hint("UnevenBatches"))
     covered = len(set().union(*sets))
     dropped = n - covered
     if dropped >= world * _BATCH:
         raise CheckFailed(
             f"{where}: only {covered} of {n} samples appear in this epoch ({dropped} dropped); "
             f"dropping is fine only to complete a round, fewer than num_replicas x batch_size = "
-            f"{world * _BATCH} samples. Usual mistake: dropping an incomplete batch in every bucket "
-            "instead of once.")
+            f"{world * _BATCH} samples. Usual mistake: " + _hint("DropsPerBucket"))
 
 
 @checker("05.a bucket sampler")
@@ -183,15 +242,8 @@ def check_bucket_sampler(BucketBatchSampler: Any, *, timeout: float = 120.0) -> 
                 raise CheckFailed(
                     f"world size {world}: rank 0's batches come in order of length, "
                     f"{'shortest' if longest == sorted(longest) else 'longest'} first, and the "
-                    "same in every epoch: the data set was sorted once and never shuffled. The "
-                    "model then sees all short sequences, then all long ones, in the same order "
-                    "each epoch, and the loss drifts with the length instead of falling. Shuffle "
-                    "with torch.Generator().manual_seed(seed + epoch), sort only within buckets of "
-                    "a few steps, and shuffle the order of the steps too.")
-            raise CheckFailed(
-                f"world size {world}: rank 0 yields exactly the same batches in epoch 0 and epoch 1: "
-                "set_epoch has no effect. Seed the shuffle with seed + epoch (as DistributedSampler "
-                "does), or every epoch repeats the first one.")
+                    "same in every epoch: " + _hint("SortedNeverShuffled"))
+            raise CheckFailed(f"world size {world}: " + _hint("ForgetsEpoch"))
         # Deterministic: a second object with the same arguments agrees (as another process would).
         again = _epoch_batches(BucketBatchSampler, lengths, world, 1)
         if again != epochs[1]:
@@ -211,24 +263,19 @@ def check_bucket_sampler(BucketBatchSampler: Any, *, timeout: float = 120.0) -> 
             raise CheckFailed(
                 f"world size {world}: {100 * waste:.0f}% of the padded batches is padding (random "
                 f"batching: {100 * random_waste:.0f}%; required: at most {100 * _MAX_WASTE:.0f}%). "
-                "Group samples of similar length: shuffle, cut into buckets of many batches, sort "
-                "each bucket by length, then cut it into batches.")
+                + _hint("NoBucketing"))
     _check_in_workers(BucketBatchSampler, lengths, timeout)
     print(f"BucketBatchSampler: disjoint, equal-length shards on {' and '.join(map(str, _WORLDS))} "
           f"ranks, reshuffled each epoch, padding {100 * waste:.0f}% (random batching "
           f"{100 * random_waste:.0f}%), agreed across real processes")
 
 
-def _worker(cls_bytes: bytes, lengths: list[int]) -> Any:
-    backend, _ = backend_and_device()
-    dist.init_process_group(backend)
-    try:
+def _worker(cls_bytes: bytes, lengths: list[int]) -> Outcome:
+    with process_group() as pg:
         cls = cloudpickle.loads(cls_bytes)
         sampler = cls(lengths, _BATCH)  # num_replicas and rank from the process group
         sampler.set_epoch(2)
-        return [list(map(int, b)) for b in sampler]
-    finally:
-        dist.destroy_process_group()
+        return Outcome(pg.rank, data={"batches": [list(map(int, b)) for b in sampler]})
 
 
 def _check_in_workers(cls: Any, lengths: list[int], timeout: float) -> None:
@@ -237,13 +284,11 @@ def _check_in_workers(cls: Any, lengths: list[int], timeout: float) -> None:
     except Exception as e:
         raise CheckFailed(f"the sampler class cannot be sent to worker processes: {e}") from None
     world = 2
-    per_rank = run_workers(_worker, world, args=(payload, lengths), timeout=timeout,
+    outcomes = run_workers(_worker, world, args=(payload, lengths), timeout=timeout,
                            hang_hint="a sampler that waits in a collective only some ranks reach "
                                      "(the sampler needs no communication: every rank computes the "
                                      "same shuffle from seed + epoch).")
+    per_rank = [o.data["batches"] for o in judge(outcomes, world=world)]
     if set(map(tuple, per_rank[0])) == set(map(tuple, per_rank[1])):
-        raise CheckFailed(
-            "in 2 real worker processes, with num_replicas and rank left out, both ranks got the same "
-            "batches: when they are None, read them from the process group (dist.get_world_size(), "
-            "dist.get_rank()), as DistributedSampler does.")
+        raise CheckFailed(f"in {world} real worker processes, " + _hint("IgnoresProcessGroup"))
     _judge_epoch(per_rank, world, 2, len(lengths))

@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from catalogue import cases  # tests/checkers/catalogue.py, beside this file
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_bucket_sampler
-from course_utils.checks.ch05 import padding_waste
+from course_utils.checks.ch05 import CATALOGUE
+from course_utils.measure.ch05 import padding_waste
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need no import path
 
@@ -261,25 +263,45 @@ class SortedNeverShuffled:
         return len(self.lengths) // (self.batch_size * self.num_replicas)
 
 
-@pytest.mark.parametrize("wrong, message", [
-    (ArticleSampler, r"every rank yielded the same samples.*not distributed-aware"),
-    (ForgetsEpoch, r"same batches in epoch 0 and epoch 1: set_epoch has no effect"),
-    (SeedPerRank, r"ranks 0 and 1 share \d+ samples.*a seed that depends on the rank"),
-    (UnevenBatches, r"different numbers of batches \(rank 0: \d+, rank 1: \d+\).*wait forever"),
-    (NoBucketing, r"\d+% of the padded batches is padding \(random batching: \d+%; required: at most 20%\)"),
-    (DropsPerBucket, r"only \d+ of 1500 samples appear.*dropping an incomplete batch in every bucket"),
-    (GlobalRandom, r"ranks 0 and 1 share \d+ samples.*Python's global random"),
-    (IgnoresProcessGroup, r"with num_replicas and rank left out, both ranks got the same batches"),
-    (LenCountsAllRanks, r"len\(sampler\) is \d+ but iterating yields \d+ batches"),
-    (PadsByRepeating, r"\d+ samples appear twice in this epoch, while none is left out.*DistributedSampler"
-                      r"\(drop_last=False\).*drop the incomplete last step"),
-    (SortedNeverShuffled, r"batches come in order of length, shortest first, and the same in every "
-                          r"epoch: the data set was sorted once and never shuffled"),
-])
-def test_rejects_usual_mistakes(wrong, message, no_leftover_processes):
+class YieldsIndices(Right):
+    def __iter__(self):
+        for batch in super().__iter__():
+            yield from batch
+
+
+# Each misconception of the catalogue: the wrong sampler of the same name, and what the failure says.
+WRONG = {
+    "ArticleSampler": (ArticleSampler, r"every rank yielded the same samples.*not distributed-aware"),
+    "ForgetsEpoch": (ForgetsEpoch, r"same batches in epoch 0 and epoch 1: set_epoch has no effect"),
+    "SeedPerRank": (SeedPerRank, r"ranks 0 and 1 share \d+ samples.*a seed that depends on the rank"),
+    "UnevenBatches": (UnevenBatches,
+                      r"different numbers of batches \(rank 0: \d+, rank 1: \d+\).*wait forever"),
+    "NoBucketing": (NoBucketing, r"\d+% of the padded batches is padding \(random batching: \d+%; "
+                                 r"required: at most 20%\)"),
+    "DropsPerBucket": (DropsPerBucket,
+                       r"only \d+ of 1500 samples appear.*dropping an incomplete batch in every bucket"),
+    "GlobalRandom": (GlobalRandom, r"ranks 0 and 1 share \d+ samples.*Python's global random"),
+    "IgnoresProcessGroup": (IgnoresProcessGroup,
+                            r"with num_replicas and rank left out, both ranks got the same batches"),
+    "LenCountsAllRanks": (LenCountsAllRanks, r"len\(sampler\) is \d+ but iterating yields \d+ batches"),
+    "YieldsIndices": (YieldsIndices,
+                      r"yielded \d+, a single index; a batch sampler yields lists"),
+    "PadsByRepeating": (PadsByRepeating,
+                        r"\d+ samples appear twice in this epoch, while none is left out.*"
+                        r"DistributedSampler\(drop_last=False\).*drop the incomplete last step"),
+    "SortedNeverShuffled": (SortedNeverShuffled,
+                            r"batches come in order of length, shortest first, and the same in every "
+                            r"epoch: the data set was sorted once and never shuffled"),
+}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(CATALOGUE, WRONG))
+def test_rejects_usual_mistakes(mistake, wrong, no_leftover_processes):
+    cls, message = wrong
     with pytest.raises(CheckFailed, match="(?s)" + message) as info:
-        check_bucket_sampler(wrong)
+        check_bucket_sampler(cls)
     assert info.value.args[0].startswith("[05.a bucket sampler]")
+    assert mistake.message in info.value.args[0]
 
 
 def test_padding_waste_counts_padding():
@@ -300,11 +322,5 @@ def test_stub_is_not_done():
 def test_none_and_single_indices_are_rejected_clearly():
     with pytest.raises(CheckFailed, match=r"got None"):
         check_bucket_sampler(None)
-
-    class YieldsIndices(Right):
-        def __iter__(self):
-            for batch in super().__iter__():
-                yield from batch
-
     with pytest.raises(CheckFailed, match=r"yielded \d+, a single index; a batch sampler yields lists"):
         check_bucket_sampler(YieldsIndices)
