@@ -7,20 +7,8 @@ It also watches *how* the step ran: into how many pieces the batch was cut, on w
 and in which threads the forward passes ran, and whether the replicas were running at the same time
 (each replica's forward waits, for a bounded time, until every replica has started its own).
 
-What learners get wrong, and the message each one gets (tests/checkers/test_ch02_dp_step.py holds an answer
-written with each misconception):
-- "any even-ish split will do" (tensor_split, a hand-made split) -> "cuts the batch like torch.chunk";
-- "the threads can share the model" (no replicas) -> "the original `model` ran on a chunk";
-- "copy.deepcopy(model) is a replica" (parameters become new leaves) -> "detached copies";
-- "a loop is parallel enough" (replicas run in the calling thread) -> "ran in the calling thread";
-- "one worker thread is a parallel_apply" (one thread runs every replica) -> "one thread per replica";
-- "start, join, start, join" (each thread joined before the next starts) -> "did not run at the
-  same time ... start them all, then join them all";
-- "outputs come back as threads finish" (append in completion order) -> "wrong order";
-- "each replica has its loss" (sum, or mean of the per-replica means) -> "SUM of the ... replicas'
-  mean losses" / "average of the per-replica mean losses";
-- "dp_step is a training step" (optimizer.step inside) -> "changed the parameters";
-- "the loss is computed, so gradients exist" (no backward) -> "backward() was not called".
+What learners get wrong is ``CATALOGUE`` below: each entry's key names the answer written with that
+misconception in tests/checkers/test_ch02_dp_step.py, its message is what the failure says.
 """
 
 from __future__ import annotations
@@ -34,10 +22,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..checking import CheckFailed, checker, close, compare_tensors, require_callable
+from ..checking import (
+    Catalogue,
+    CheckFailed,
+    Misconception,
+    checker,
+    close,
+    compare_tensors,
+    require_callable,
+)
 from ..data import make_dataset, make_model
 
-__all__ = ["check_dp_step"]
+__all__ = ["CATALOGUE", "check_dp_step"]
 
 # (batch size, devices).  Even splits first, so that a mistake that only shows on uneven splits is
 # named as such.  10 on 4 devices gives chunks 3,3,3,1; 5 on 4 gives 2,2,1 (three replicas only).
@@ -49,6 +45,81 @@ _USAGE = "dp_step(model, x, y, n_devices) returning (outputs, loss)"
 # started threads all arrive within milliseconds; replicas run one after another never do, and the
 # wait then costs this once per case.
 _TOGETHER_S = 2.0
+
+
+CATALOGUE = Catalogue(
+    "02.a data parallel step",
+    Misconception(
+        "dp_step_tensor_split",
+        "any even-ish split will do (tensor_split, a hand-made split)",
+        "the replicas saw chunks of other sizes than x.chunk(n_devices) gives",
+        "cuts the batch like torch.chunk"),
+    Misconception(
+        "dp_step_no_replicas",
+        "the threads can share the model",
+        "the forward hook saw the original model's own forward on a chunk",
+        "the original `model` ran on a chunk: DataParallel replicates the module every step, one "
+        "copy per device, and runs the copies (replicate(), then parallel_apply()). Running one "
+        "module object from several threads is not what DataParallel does."),
+    Misconception(
+        "dp_step_detached_replicas",
+        "copy.deepcopy(model) is a replica",
+        "the model's parameters have no gradient after the step",
+        "the replicas are detached copies (copy.deepcopy(model) copies the parameters as new "
+        "leaves, so their gradients never reach `model`)"),
+    Misconception(
+        "dp_step_sequential",
+        "a loop is parallel enough",
+        "every replica's forward ran in the calling thread",
+        "every replica ran in the calling thread, one after another: DataParallel's parallel_apply "
+        "runs each replica in its own thread (threading.Thread, start them all, then join them all)."),
+    Misconception(
+        "dp_step_one_worker_thread",
+        "one worker thread is a parallel_apply",
+        "the replicas ran in fewer threads than there are replicas",
+        "one thread per replica, not one thread running them all. A single worker thread that "
+        "loops over the replicas is as sequential as a plain loop"),
+    Misconception(
+        "dp_step_small_pool",
+        "a thread pool of any size runs the replicas together",
+        "the replicas ran in fewer threads than there are replicas",
+        "parallel_apply starts a thread for every replica (a pool needs at least as many workers as "
+        "replicas)"),
+    Misconception(
+        "dp_step_join_each",
+        "start, join, start, join",
+        "each replica had its own thread, but they never all waited at once in their forwards",
+        "the replicas did not run at the same time: a thread was joined before the next one was "
+        "started (start, join, start, join runs them one after another). Start every thread "
+        "first, then join them all."),
+    Misconception(
+        "dp_step_gather_as_finished",
+        "outputs come back as the threads finish",
+        "the outputs hold the right rows in another order",
+        "hold the right rows in the wrong order: gather must concatenate the replicas' outputs in "
+        "chunk order (output i from chunk i), not in the order the threads finish."),
+    Misconception(
+        "dp_step_sum_of_losses",
+        "each replica has its loss, and they add up",
+        "the loss is the sum of the per-chunk mean losses",
+        "Compute one loss on the gathered outputs: F.cross_entropy(torch.cat(outputs), y)."),
+    Misconception(
+        "dp_step_mean_of_means",
+        "the mean of the replicas' losses is the batch's loss",
+        "on uneven chunks, the loss is the mean of the per-chunk mean losses",
+        "the average of the per-replica mean losses"),
+    Misconception(
+        "dp_step_with_optimizer_step",
+        "dp_step is a training step",
+        "the parameters changed",
+        "it should compute gradients only; the optimizer step comes after it, in the training loop."),
+    Misconception(
+        "dp_step_no_backward",
+        "the loss is computed, so gradients exist",
+        "the model's parameters have no gradient after the step",
+        "loss.backward() was not called"),
+)
+_hint = CATALOGUE.hint
 
 
 def _reference(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
@@ -166,49 +237,35 @@ def check_dp_step(dp_step: Callable[..., Any]) -> None:
         if sorted(rows) != sorted(c.shape[0] for c in chunks):
             raise CheckFailed(
                 f"for {where} the replicas saw chunks of sizes {rows}; DataParallel's scatter "
-                f"cuts the batch like torch.chunk: {[c.shape[0] for c in chunks]}. Usual "
+                f"{_hint('dp_step_tensor_split')}: {[c.shape[0] for c in chunks]}. Usual "
                 "mistake: torch.tensor_split or a hand-made split (chunk gives pieces of "
                 "ceil(batch / n_devices) rows, and fewer pieces than devices for small batches).")
         if n_chunks > 1:
             modules = {m for _, m, _ in calls}
             if id(model) in modules:
-                raise CheckFailed(
-                    "the original `model` ran on a chunk: DataParallel replicates the module "
-                    "every step, one copy per device, and runs the copies (replicate(), then "
-                    "parallel_apply()). Running one module object from several threads is not "
-                    "what DataParallel does.")
+                raise CheckFailed(_hint("dp_step_no_replicas"))
             if len(modules) != n_chunks:
                 raise CheckFailed(
                     f"for {where} {n_chunks} chunks ran on {len(modules)} distinct replica(s): "
                     "make one replica per chunk.")
             per_thread = Counter(t for t, _, _ in calls)
             if set(per_thread) == {threading.current_thread()}:
-                raise CheckFailed(
-                    "every replica ran in the calling thread, one after another: DataParallel's "
-                    "parallel_apply runs each replica in its own thread (threading.Thread, start "
-                    "them all, then join them all).")
+                raise CheckFailed(_hint("dp_step_sequential"))
             if len(per_thread) < n_chunks:
                 busiest = max(per_thread.values())
                 raise CheckFailed(
                     f"for {where} the {n_chunks} replicas ran in {len(per_thread)} thread(s), one of "
-                    f"them running {busiest} replicas one after another: one thread per replica, not "
-                    "one thread running them all. A single worker thread that loops over the "
-                    "replicas is as sequential as a plain loop; parallel_apply starts a thread for "
-                    "every replica (a pool needs at least as many workers as replicas).")
+                    f"them running {busiest} replicas one after another: "
+                    f"{_hint('dp_step_one_worker_thread')}; {_hint('dp_step_small_pool')}.")
             if not all(together):
                 raise CheckFailed(
-                    f"for {where} each replica had its own thread, but the replicas did not run at "
-                    "the same time: a thread was joined before the next one was started (start, "
-                    "join, start, join runs them one after another). Start every thread first, "
-                    "then join them all.")
+                    f"for {where} each replica had its own thread, but {_hint('dp_step_join_each')}")
 
         # Values.
         if not close(out, out_ref, atol=1e-5, rtol=1e-5):
             if _is_row_permutation(out.detach(), out_ref):
                 raise CheckFailed(
-                    f"outputs for {where} hold the right rows in the wrong order: gather must "
-                    "concatenate the replicas' outputs in chunk order (output i from chunk i), "
-                    "not in the order the threads finish.")
+                    f"outputs for {where} {_hint('dp_step_gather_as_finished')}")
             d = (out.detach() - out_ref).abs().max().item()
             raise CheckFailed(
                 f"outputs for {where} differ from model(x) by up to {d:.3g}. Usual mistake: a "
@@ -223,12 +280,11 @@ def check_dp_step(dp_step: Callable[..., Any]) -> None:
                 raise CheckFailed(
                     f"loss for {where}: expected {exp:.6f} (the mean over the whole batch), got "
                     f"{got:.6f}, the SUM of the {n_chunks} replicas' mean losses. Summing makes "
-                    f"the gradients {n_chunks}x too large. Compute one loss on the gathered "
-                    "outputs: F.cross_entropy(torch.cat(outputs), y).")
+                    f"the gradients {n_chunks}x too large. {_hint('dp_step_sum_of_losses')}")
             if uneven and abs(got - mean_of_means) < 1e-5 * max(1.0, abs(got)):
                 raise CheckFailed(
-                    f"loss for {where}: expected {exp:.6f}, got {got:.6f}, the average of the "
-                    f"per-replica mean losses. With chunks of sizes {[c.shape[0] for c in chunks]} "
+                    f"loss for {where}: expected {exp:.6f}, got {got:.6f}, "
+                    f"{_hint('dp_step_mean_of_means')}. With chunks of sizes {[c.shape[0] for c in chunks]} "
                     "that weighs the small chunk's samples more than the others: compute the loss "
                     "on the gathered outputs, as DataParallel does (it only returns outputs).")
             raise CheckFailed(f"loss for {where}: expected {exp:.6f} (F.cross_entropy over the "
@@ -240,9 +296,8 @@ def check_dp_step(dp_step: Callable[..., Any]) -> None:
             raise CheckFailed(
                 f"after dp_step, {len(missing)} parameter(s) of `model` have no gradient "
                 f"({', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}). Either "
-                "loss.backward() was not called, or the replicas are detached copies "
-                "(copy.deepcopy(model) copies the parameters as new leaves, so their gradients "
-                "never reach `model`). Make each replica's parameters differentiable copies: "
+                f"{_hint('dp_step_no_backward')}, or {_hint('dp_step_detached_replicas')}. "
+                "Make each replica's parameters differentiable copies: "
                 "copy.deepcopy(model, memo={id(p): p.clone() for p in model.parameters()}).")
         got_grads = {n: p.grad for n, p in model.named_parameters()}
         ratios = [(got_grads[n].norm() / grads_ref[n].norm()).item()
@@ -256,7 +311,7 @@ def check_dp_step(dp_step: Callable[..., Any]) -> None:
         changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
         if changed:
             raise CheckFailed(
-                f"dp_step changed the parameters ({', '.join(changed[:3])}): it should compute "
-                "gradients only; the optimizer step comes after it, in the training loop.")
+                f"dp_step changed the parameters ({', '.join(changed[:3])}): "
+                + _hint("dp_step_with_optimizer_step"))
     print(f"dp_step matches a single-process step (outputs, loss and gradients) on {len(_CASES)} "
           "batch/device combinations, uneven splits included")

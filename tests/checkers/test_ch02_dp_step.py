@@ -13,9 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.nn.functional as F
+from catalogue import cases  # tests/checkers/catalogue.py, beside this file
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_dp_step
+from course_utils.checks.ch02 import CATALOGUE
 
 
 def _replicas(model, n):
@@ -193,7 +195,8 @@ def test_accepts_several_right_steps(right, capsys):
     assert "[PASS] 02.a data parallel step" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong, message", [
+# Each misconception of the catalogue: the wrong step of the same name, and what the failure says.
+WRONG = {f.__name__: (f, message) for f, message in [
     (dp_step_sum_of_losses, r"SUM of the \d+ replicas' mean losses"),
     (dp_step_mean_of_means, r"average of the per-replica mean losses"),
     (dp_step_detached_replicas, r"have no gradient.*detached copies"),
@@ -207,10 +210,15 @@ def test_accepts_several_right_steps(right, capsys):
     (dp_step_small_pool, r"ran in 2 thread\(s\).*one thread per replica"),
     (dp_step_join_each, r"did not run at the same time.*start, join, start, join"),
     (dp_step_with_optimizer_step, r"changed the parameters"),
-], ids=lambda v: getattr(v, "__name__", "msg"))
-def test_rejects_typical_mistakes(wrong, message):
-    with pytest.raises(CheckFailed, match=message):
-        check_dp_step(wrong)
+]}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(CATALOGUE, WRONG))
+def test_rejects_typical_mistakes(mistake, wrong):
+    step, message = wrong
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_dp_step(step)
+    assert mistake.message in info.value.args[0]
 
 
 def test_rejects_stub_none_and_bad_return():
