@@ -20,12 +20,19 @@ that replaces ``dist.all_reduce``.
 ``annotate(op, tensor)`` (optional) adds a checker's own observations to each call (which
 parameter's gradient the tensor is, say); ``record=False`` pauses recording while the checker runs
 its own reference with the spy installed.
+
+``forbid`` names functions whose calls are noted in ``spy.forbidden``; with ``refuse`` (an
+exception type) a forbidden call raises ``refuse("dist.<op> is not allowed in this exercise")``
+instead of running, so that the learner's code stops at the line that called it.  A
+point-to-point call records its peer (``Call.peer``: the ``dst`` of a send, the ``src`` of a recv).
+Calls that torch makes inside a watched call (``dist.send`` runs ``isend``) are not recorded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -45,6 +52,7 @@ COLLECTIVES = (
     "batch_isend_irecv",
 )
 _ASYNC_BY_NATURE = {"isend", "irecv", "batch_isend_irecv"}
+_PEER = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -70,6 +78,7 @@ class Call:
     waited: bool = False
     waited_in_phase: str | None = None
     waited_at_step: int | None = None
+    peer: int | None = None  # send/isend: the destination; recv/irecv: the source (None: any)
 
     @property
     def nbytes(self) -> int:
@@ -116,12 +125,15 @@ class CollectiveSpy:
 
     def __init__(self, ops: Iterable[str] = ("all_reduce",), *,
                  annotate: Callable[[str, torch.Tensor | None], dict] | None = None,
-                 forbid: Iterable[str] = ()):
+                 forbid: Iterable[str] = (),
+                 refuse: Callable[[str], BaseException] | None = None):
         self.ops = tuple(ops)
         self.forbid = tuple(forbid)
         self.annotate = annotate
         self.calls: list[Call] = []
         self.forbidden: list[str] = []
+        self.refuse = refuse
+        self._inside = threading.local()  # per thread: inside a watched call
         self.phase: str | None = None
         self.step = 0
         self.recording = True
@@ -156,18 +168,27 @@ class CollectiveSpy:
 
         @functools.wraps(real)
         def watched(*args: Any, **kwargs: Any) -> Any:
-            if not spy.recording:
+            if not spy.recording or getattr(spy._inside, "call", False):
+                # torch's own calls inside a watched one (dist.send runs isend) are not the learner's
                 return real(*args, **kwargs)
             if op in spy.forbid:
                 spy.forbidden.append(op)
+                if spy.refuse is not None:  # the call does not run: the learner's code stops here
+                    raise spy.refuse(f"dist.{op} is not allowed in this exercise")
             tensor = _first_tensor(args, kwargs)
             async_op = bool(kwargs.get("async_op", False)) or op in _ASYNC_BY_NATURE
             call = Call(op, tensor, async_op, torch._C._current_graph_task_id() != -1,
                         spy.phase, spy.step)
+            if op in _PEER:
+                call.peer = args[1] if len(args) > 1 else kwargs.get(_PEER[op])
             if spy.annotate is not None:
                 call.extra = spy.annotate(op, tensor)
             spy.calls.append(call)
-            work = real(*args, **kwargs)
+            spy._inside.call = True
+            try:
+                work = real(*args, **kwargs)
+            finally:
+                spy._inside.call = False
             if async_op and work is not None and op != "batch_isend_irecv":
                 return _WatchedWork(work, call, spy)
             if op == "batch_isend_irecv" and isinstance(work, list):

@@ -126,3 +126,42 @@ def test_catalogue_refuses_duplicates_and_gives_hints():
     assert "[sums]" in cat.markdown()
     with pytest.raises(ValueError, match="duplicate"):
         Catalogue("00.x demo", m, m)
+
+
+class _Refused(RuntimeError):
+    pass
+
+
+def test_spy_with_refuse_raises_at_a_forbidden_call_without_running_it_and_restores():
+    t = torch.ones(3)
+    with pytest.raises(_Refused, match=r"dist\.all_reduce is not allowed in this exercise"):
+        with CollectiveSpy(("broadcast",), forbid=("all_reduce",), refuse=_Refused) as spy:
+            dist.all_reduce(t)  # no process group: only a call that never runs can get past this
+    assert spy.forbidden == ["all_reduce"] and spy.calls == [] and t.tolist() == [1.0] * 3
+    assert all(getattr(dist, op) is a and getattr(c10d, op) is b for op, (a, b) in REAL.items())
+    with CollectiveSpy(forbid=("all_reduce",)) as spy:  # without refuse: noted, and it runs
+        with pytest.raises(ValueError, match="Default process group has not been initialized"):
+            dist.all_reduce(t)
+    assert spy.forbidden == ["all_reduce"]
+
+
+def _exchanges() -> list:
+    with process_group("gloo") as pg:
+        other = 1 - pg.rank
+        with CollectiveSpy(("send", "recv", "isend", "irecv")) as spy:
+            buf = torch.zeros(2)
+            if pg.rank == 0:
+                dist.send(torch.ones(2), other)
+                dist.irecv(buf, src=other).wait()
+            else:
+                dist.recv(buf)  # from any source
+                dist.isend(torch.ones(2), dst=other).wait()
+        return [(c.op, c.peer, c.nbytes) for c in spy.calls]
+
+
+def test_spy_records_the_peer_of_point_to_point_calls_not_torchs_calls_inside_them():
+    # dist.send runs isend and dist.recv runs irecv: one call each, as the learner wrote it
+    assert run_workers(_exchanges, 2, timeout=60) == [
+        [("send", 1, 8), ("irecv", 1, 8)],
+        [("recv", None, 8), ("isend", 0, 8)],
+    ]
