@@ -2,47 +2,9 @@
 that weighs every sample equally, and the gradient of a batch rebuilt from the gradients of its shards
 (data parallelism on one process).
 
-What learners get wrong, and the message each one gets (tests/checkers/test_ch01_checks.py holds an answer
-written with each misconception):
-
-01.a training step with clipping, ``train_step(model, optimizer, x, y, max_norm) -> (loss, norm)``
-- "clip anywhere in the step" (before ``backward()``, where this batch has no gradients yet, or after
-  ``optimizer.step()``, when the update is made) -> "the optimizer stepped with the unclipped
-  gradients" / "clipped after optimizer.step()"; both say: between backward() and step();
-- "max_norm is per parameter" (``clip_grad_norm_`` called on each parameter alone) -> "one norm over
-  all the gradients together";
-- "clipping limits the values" (``clip_grad_value_`` or ``clamp``) -> "clips each element ... changes
-  the gradient's direction";
-- "the total norm is the sum of the parameters' norms" (hand-written clipping) -> "the square root of
-  the sum of squares";
-- "clipping rescales to max_norm" (hand-written, without the min with 1) -> "only shrinks";
-- "zero_grad anywhere in the step" (between backward and step) -> "zero_grad() ... erased them";
-- "gradients start from zero by themselves" (no zero_grad) -> "call `optimizer.zero_grad()`";
-- "backward updates the weights" (no step) -> "call `optimizer.step()`";
-- "the norm to log is the clipped one" (measured after clipping, so never above max_norm) -> "the
-  norm before clipping";
-- "returning the loss is harmless" (the tensor with its graph) -> "`loss.item()` or `loss.detach()`";
-- "the summed loss is the loss" (reduction="sum") -> "the mean over the batch".
-
-01.b evaluation, ``evaluate(model, loader) -> (accuracy, mean loss per sample)``
-- "the mean of the batch means is the mean" (the last batch is smaller) -> "mean of per-batch
-  means ... weigh each batch by its size" (for the loss and for the accuracy);
-- "every batch is full" (``len(loader) * batch_size`` samples) -> "counted ... samples";
-- "no_grad is only about speed" (forgotten) -> "torch.no_grad";
-- "eval mode is only for dropout" (forgotten) -> "model.eval";
-- "evaluation ends in training mode" (``model.train()`` at the end, or nothing restored) -> "restore
-  the mode the model was in";
-- a percentage instead of a fraction -> "not a percentage"; the two values swapped -> "swapped".
-
-01.c gradient from shards
-- "the mean of the shards' gradients is the batch's gradient" (true only for equal shards) ->
-  "weighs every shard equally";
-- "the ranks' gradients add up" (sum without weights) -> "the SUM of the shards' gradients";
-- "the gradient starts from zero" (a previous step's .grad left in place) -> "added to the
-  gradients already in .grad";
-- "x.chunk(n) gives n shards" (5 rows on 4 shards gives 3) -> "ran on 3 shard(s)";
-- "it is enough to get the right numbers" (one backward over the whole batch) -> "each shard
-  separately".
+What learners get wrong is each exercise's catalogue below (``CATALOGUE_A``, ``_B``, ``_C``): an
+entry's key names the answer written with that misconception in tests/checkers/test_ch01_checks.py,
+its message is what the failure says.
 """
 
 from __future__ import annotations
@@ -53,10 +15,20 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..checking import CheckFailed, as_float, checker, close, compare_tensors, require_callable
+from ..checking import (
+    Catalogue,
+    CheckFailed,
+    Misconception,
+    as_float,
+    checker,
+    close,
+    compare_tensors,
+    require_callable,
+)
 from ..data import make_dataset, make_model, split
 
-__all__ = ["check_train_step", "check_evaluate", "check_shard_gradients"]
+__all__ = ["CATALOGUE_A", "CATALOGUE_B", "CATALOGUE_C", "check_train_step", "check_evaluate",
+           "check_shard_gradients"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,6 +40,97 @@ __all__ = ["check_train_step", "check_evaluate", "check_shard_gradients"]
 # that rescales every gradient to max_norm, or measures the norm as a sum, shows there), the third
 # clips again, with momentum from the first two steps in the update.
 _CLIP_FACTORS = (0.1, 1.5, 0.4)
+
+CATALOGUE_A = Catalogue(
+    "01.a training step",
+    Misconception(
+        "clip_before_backward",
+        "clip anywhere in the step: before backward()",
+        "the optimizer stepped with the unclipped gradients",
+        "before it, this batch has no gradients yet: clipping then acts on zeros, or on what the "
+        "previous step left"),
+    Misconception(
+        "never_clips",
+        "clipping is optional",
+        "the optimizer stepped with the unclipped gradients",
+        "the optimizer stepped with the unclipped gradients"),
+    Misconception(
+        "clip_after_step",
+        "clip anywhere in the step: after optimizer.step()",
+        "the optimizer stepped with the unclipped gradients, and .grad holds the clipped ones after",
+        "you clipped after optimizer.step(): the update was already made with the unclipped "
+        "gradients, and the clipped ones are thrown away by the next zero_grad(). Clip between "
+        "loss.backward() and optimizer.step()."),
+    Misconception(
+        "clip_each_parameter",
+        "max_norm is per parameter",
+        "each gradient was scaled by min(1, max_norm / its own norm)",
+        "each parameter's gradient was clipped by its own norm. max_norm bounds one norm over all "
+        "the gradients together (as if they were one long vector), and every gradient is scaled by "
+        "the same factor: pass all parameters to one `clip_grad_norm_(model.parameters(), "
+        "max_norm)` call."),
+    Misconception(
+        "clip_values",
+        "clipping limits the values",
+        "the gradients were clamped to [-max_norm, max_norm] element by element",
+        "the gradients were clipped element by element (clip_grad_value_ or clamp), which changes "
+        "the gradient's direction and does not keep its norm within max_norm. Clip by the global "
+        "norm: `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` scales all gradients "
+        "by one factor."),
+    Misconception(
+        "norm_as_sum",
+        "the total norm is the sum of the parameters' norms",
+        "the gradients were scaled by max_norm / (sum of the per-parameter norms)",
+        "the total norm was taken as the sum of the parameters' norms. The global norm is the norm "
+        "of all gradients as one vector: the square root of the sum of the squared per-parameter "
+        "norms (torch.nn.utils.get_total_norm). In sharded training each rank holds some of the "
+        "gradients: the ranks add up their sums of squares, then take the root."),
+    Misconception(
+        "rescale_always",
+        "clipping rescales to max_norm",
+        "a gradient below max_norm was scaled up to it",
+        "the gradients were scaled up to max_norm. Clipping only shrinks: the factor is min(1, "
+        "max_norm / total_norm), so a gradient whose norm is already below max_norm stays as it is."),
+    Misconception(
+        "zero_grad_before_step",
+        "zero_grad anywhere in the step: between backward and step",
+        "every gradient was zero or None when optimizer.step() ran",
+        "when optimizer.step() ran, every gradient was zero or None: zero_grad() between "
+        "loss.backward() and optimizer.step() erased them. Zero the gradients at the start of the "
+        "step (or after step()), never between backward() and step()."),
+    Misconception(
+        "no_zero_grad",
+        "gradients start from zero by themselves",
+        "the gradients at optimizer.step() hold the previous step's as well",
+        "the gradients the optimizer used hold this batch's gradients plus those left from the "
+        "previous step. Call `optimizer.zero_grad()` in every step, before `loss.backward()`."),
+    Misconception(
+        "no_step",
+        "backward updates the weights",
+        "optimizer.step() never ran",
+        "optimizer.step() was never called, so the parameters did not change: call "
+        "`optimizer.step()` after clipping the gradients."),
+    Misconception(
+        "norm_after_clipping",
+        "the norm to log is the clipped one",
+        "the returned norm is min(norm, max_norm)",
+        "that is the norm after clipping, which is never above max_norm, so a log of it cannot show "
+        "how often clipping acts. Return the norm before clipping: the value clip_grad_norm_ "
+        "returns"),
+    Misconception(
+        "returns_graph",
+        "returning the loss tensor is harmless",
+        "a returned value requires grad",
+        "a tensor that still holds the autograd graph of the step. Return `loss.item()` or "
+        "`loss.detach()`: a caller that keeps graphs alive (`total += loss`) leaks the memory of "
+        "every step, the classic leak of chapter 09."),
+    Misconception(
+        "summed_loss",
+        "the summed loss is the loss",
+        "the returned loss is batch size times the mean",
+        "the loss was summed over the batch. Use the mean over the batch, "
+        "`nn.functional.cross_entropy(model(x), y)`, as the reference does."),
+)
 
 
 def _grads(model: nn.Module) -> dict:
@@ -90,49 +153,31 @@ def _clip_mistake(seen: dict, g: dict, norm: float, max_norm: float, left: dict 
                   after: dict, step: int) -> str:
     """What a learner did to the gradients the optimizer stepped with (``seen``), or ``""``."""
     where = f"step {step} (max_norm {max_norm:.4g}, true gradient norm {norm:.4g})"
+    hint = CATALOGUE_A.hint
     if all(v is None or not v.any() for v in seen.values()):
-        return (f"{where}: when optimizer.step() ran, every gradient was zero or None: zero_grad() "
-                "between loss.backward() and optimizer.step() erased them. Zero the gradients at the "
-                "start of the step (or after step()), never between backward() and step().")
+        return f"{where}: " + hint("zero_grad_before_step")
     if left is not None:
         stale = {k: g[k] + (left[k] if left[k] is not None else 0) for k in g}
         coef = min(1.0, max_norm / (_total_norm(stale).item() + 1e-6))
         if _same(seen, _scaled(stale, coef)):
-            return (f"{where}: the gradients the optimizer used hold this batch's gradients plus those "
-                    "left from the previous step. Call `optimizer.zero_grad()` in every step, before "
-                    "`loss.backward()`.")
+            return f"{where}: " + hint("no_zero_grad")
     if norm > max_norm and _same(seen, g):
         if all(after[k] is not None for k in g) and _same(after, _scaled(g, max_norm / (norm + 1e-6))):
-            return (f"{where}: you clipped after optimizer.step(): the update was already made with "
-                    "the unclipped gradients, and the clipped ones are thrown away by the next "
-                    "zero_grad(). Clip between loss.backward() and optimizer.step().")
-        return (f"{where}: the optimizer stepped with the unclipped gradients. Clip after "
-                "loss.backward() (before it, this batch has no gradients yet: clipping then acts on "
-                "zeros, or on what the previous step left) and before optimizer.step(), with "
+            return f"{where}: " + hint("clip_after_step")
+        return (f"{where}: {hint('never_clips')}. Clip after loss.backward() "
+                f"({hint('clip_before_backward')}) and before optimizer.step(), with "
                 "`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`.")
     if norm < max_norm and _same(seen, _scaled(g, max_norm / norm)):
-        return (f"{where}: the gradients were scaled up to max_norm. Clipping only shrinks: the factor "
-                "is min(1, max_norm / total_norm), so a gradient whose norm is already below max_norm "
-                "stays as it is.")
+        return f"{where}: " + hint("rescale_always")
     per_param = {k: v * min(1.0, max_norm / (torch.linalg.vector_norm(v).item() + 1e-6))
                  for k, v in g.items()}
     if _same(seen, per_param):
-        return (f"{where}: each parameter's gradient was clipped by its own norm. max_norm bounds one "
-                "norm over all the gradients together (as if they were one long vector), and every "
-                "gradient is scaled by the same factor: pass all parameters to one "
-                "`clip_grad_norm_(model.parameters(), max_norm)` call.")
+        return f"{where}: " + hint("clip_each_parameter")
     if _same(seen, {k: v.clamp(-max_norm, max_norm) for k, v in g.items()}):
-        return (f"{where}: the gradients were clipped element by element (clip_grad_value_ or clamp), "
-                "which changes the gradient's direction and does not keep its norm within max_norm. "
-                "Clip by the global norm: `torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                "max_norm)` scales all gradients by one factor.")
+        return f"{where}: " + hint("clip_values")
     summed = sum(torch.linalg.vector_norm(v).item() for v in g.values())
     if _same(seen, _scaled(g, min(1.0, max_norm / summed))):
-        return (f"{where}: the total norm was taken as the sum of the parameters' norms. The global norm "
-                "is the norm of all gradients as one vector: the square root of the sum of the squared "
-                "per-parameter norms (torch.nn.utils.get_total_norm). In sharded training each rank "
-                "holds some of the gradients: the ranks add up their sums of squares, then take the "
-                "root.")
+        return f"{where}: " + hint("norm_as_sum")
     return ""
 
 
@@ -143,10 +188,7 @@ def _two_numbers(got) -> tuple:
                                                       isinstance(got, (tuple, list)) else ""))
     for name, v in zip(("the loss", "the norm"), got):
         if isinstance(v, torch.Tensor) and v.requires_grad:
-            raise CheckFailed(
-                f"train_step returned {name} as a tensor that still holds the autograd graph of the "
-                "step. Return `loss.item()` or `loss.detach()`: a caller that keeps graphs alive "
-                "(`total += loss`) leaks the memory of every step, the classic leak of chapter 09.")
+            raise CheckFailed(f"train_step returned {name} as " + CATALOGUE_A.hint("returns_graph"))
     values = tuple(as_float(v) for v in got)
     for name, v in zip(("the loss", "the norm"), values):
         if isinstance(v, tuple):
@@ -184,12 +226,10 @@ def check_train_step(train_step: Callable) -> None:
             after = _grads(mine)
             where = f"step {step}"
             if not seen:
-                raise CheckFailed(f"{where}: optimizer.step() was never called, so the parameters did "
-                                  "not change: call `optimizer.step()` after clipping the gradients.")
+                raise CheckFailed(f"{where}: " + CATALOGUE_A.hint("no_step"))
             if abs(loss - len(y) * want_loss.item()) < 1e-3 * len(y):
                 raise CheckFailed(f"{where}: loss {loss:.4f}, {len(y)}x the expected {want_loss.item():.4f}: "
-                                  "the loss was summed over the batch. Use the mean over the batch, "
-                                  "`nn.functional.cross_entropy(model(x), y)`, as the reference does.")
+                                  + CATALOGUE_A.hint("summed_loss"))
             want = _scaled(g, min(1.0, max_norm / (norm + 1e-6)))
             if not _same(seen[0], want):
                 mistake = _clip_mistake(seen[0], g, norm, max_norm, left, after, step)
@@ -204,9 +244,7 @@ def check_train_step(train_step: Callable) -> None:
                                   "the cross-entropy of this batch, computed before the update.")
             if abs(got_norm - norm) > 1e-4 * norm:
                 if abs(got_norm - min(norm, max_norm)) < 1e-4 * norm:
-                    why = ("that is the norm after clipping, which is never above max_norm, so a log of "
-                           "it cannot show how often clipping acts. Return the norm before clipping: "
-                           "the value clip_grad_norm_ returns")
+                    why = CATALOGUE_A.hint("norm_after_clipping")
                 else:
                     why = ("return the total norm of the gradients before clipping (clip_grad_norm_ "
                            "returns it)")
@@ -228,6 +266,62 @@ def check_train_step(train_step: Callable) -> None:
 # --------------------------------------------------------------------------------------------
 # 01.b evaluation
 # --------------------------------------------------------------------------------------------
+
+
+CATALOGUE_B = Catalogue(
+    "01.b evaluation",
+    Misconception(
+        "eval_no_restore",
+        "evaluation may end in eval mode",
+        "a model handed over in training mode is in eval mode afterwards",
+        "`was_training = model.training` before `model.eval()`, `model.train(was_training)` before "
+        "returning. A training loop that evaluates every epoch must go on training"),
+    Misconception(
+        "eval_back_to_train",
+        "evaluation ends in training mode",
+        "a model handed over in eval mode is in training mode afterwards",
+        "a model that was already in eval mode must stay there"),
+    Misconception(
+        "eval_with_grad",
+        "no_grad is only about speed",
+        "the forward hook saw grad mode on, or a returned value requires grad",
+        "the model ran with autograd on: wrap evaluation in `torch.no_grad()` (or "
+        "`torch.inference_mode()`), or every batch builds a graph that keeps its activations alive "
+        "for a backward pass that never comes."),
+    Misconception(
+        "eval_train_mode",
+        "eval mode is only for dropout",
+        "the forward hook saw training mode, or BatchNorm's running statistics moved",
+        "the model ran in training mode: call `model.eval()` before evaluating, or BatchNorm "
+        "normalises with each batch's own statistics and overwrites its running ones (and Dropout "
+        "drops activations)."),
+    Misconception(
+        "eval_mean_of_batch_losses",
+        "the mean of the batch means is the mean",
+        "the loss equals the mean of per-batch mean losses (the last batch is smaller)",
+        "mean of per-batch mean loss values"),
+    Misconception(
+        "eval_mean_of_batch_accuracies",
+        "the mean of the batch accuracies is the accuracy",
+        "the accuracy equals the mean of per-batch accuracies (the last batch is smaller)",
+        "mean of per-batch accuracy values"),
+    Misconception(
+        "eval_full_batches",
+        "every batch is full",
+        "a value equals the sum divided by len(loader) * batch_size",
+        "Count len(y) of each batch (or use len(loader.dataset))"),
+    Misconception(
+        "eval_percent",
+        "accuracy is a percentage",
+        "the accuracy is 100 times the right fraction",
+        "return a fraction between 0 and 1, not a percentage"),
+    Misconception(
+        "eval_swapped",
+        "the order of the two values does not matter",
+        "the accuracy is the mean loss and the other way round",
+        "accuracy and loss are swapped: return (accuracy, mean loss)"),
+)
+_hint_b = CATALOGUE_B.hint
 
 
 def _eval_model() -> nn.Module:
@@ -294,9 +388,7 @@ def check_evaluate(evaluate: Callable) -> None:
             raise CheckFailed(f"evaluate should return two numbers, (accuracy, mean loss); got "
                               f"{type(got).__name__}")
         if any(isinstance(v, torch.Tensor) and v.requires_grad for v in got) or any(seen["grad"]):
-            raise CheckFailed("the model ran with autograd on: wrap evaluation in `torch.no_grad()` (or "
-                              "`torch.inference_mode()`), or every batch builds a graph that keeps its "
-                              "activations alive for a backward pass that never comes.")
+            raise CheckFailed(_hint_b("eval_with_grad"))
         acc, loss = (as_float(v) for v in got)
         if isinstance(acc, tuple) or isinstance(loss, tuple):
             raise CheckFailed("evaluate should return two numbers (floats or one-element tensors)")
@@ -304,33 +396,30 @@ def check_evaluate(evaluate: Callable) -> None:
             raise CheckFailed("evaluate never called the model")
         if any(seen["training"]) or any(not torch.equal(v, buffers[k]) for k, v in model.named_buffers()
                                         if "num_batches" not in k):
-            raise CheckFailed("the model ran in training mode: call `model.eval()` before evaluating, or "
-                              "BatchNorm normalises with each batch's own statistics and overwrites its "
-                              "running ones (and Dropout drops activations).")
+            raise CheckFailed(_hint_b("eval_train_mode"))
         if model.training != (mode == "training"):
             raise CheckFailed(
                 f"{where}: after evaluate() the model was in "
                 f"{'training' if model.training else 'eval'} mode. Restore the mode the model was in: "
-                "`was_training = model.training` before `model.eval()`, `model.train(was_training)` "
-                "before returning. A training loop that evaluates every epoch must go on training, "
-                "and a model that was already in eval mode must stay there.")
+                f"{_hint_b('eval_no_restore')}, and {_hint_b('eval_back_to_train')}.")
         if _agree(acc, want["loss"]) and _agree(loss, want["acc"]):
-            raise CheckFailed("accuracy and loss are swapped: return (accuracy, mean loss)")
+            raise CheckFailed(_hint_b("eval_swapped"))
         if 1.0 < acc <= 100.0 and _agree(acc / 100, want["acc"]):
-            raise CheckFailed(f"accuracy {acc:.2f}: return a fraction between 0 and 1, not a percentage")
+            raise CheckFailed(f"accuracy {acc:.2f}: " + _hint_b("eval_percent"))
         for name, value in (("accuracy", acc), ("mean loss", loss)):
             key = "acc" if name == "accuracy" else "loss"
             if _agree(value, want[key]):
                 continue
             if _agree(value, want[f"{key}_mean"]):
-                why = (f"that is the mean of per-batch {name} values, which gives each sample of the "
+                mistake = "eval_mean_of_batch_accuracies" if key == "acc" else "eval_mean_of_batch_losses"
+                why = (f"that is the {_hint_b(mistake)}, which gives each sample of the "
                        "smaller last batch more weight than the others. Weigh each batch by its size: "
                        "add up per-sample sums (correct predictions; "
                        "`cross_entropy(..., reduction=\"sum\")`) and divide by the number of samples")
             elif _agree(value, want[f"{key}_padded"]):
                 why = (f"that divides by len(loader) * batch_size = {want['padded']} samples, but the "
-                       f"last batch is smaller and the loader holds {want['n']}. Count len(y) of each "
-                       "batch (or use len(loader.dataset))")
+                       f"last batch is smaller and the loader holds {want['n']}. "
+                       + _hint_b("eval_full_batches"))
             else:
                 why = ("expected the sum over every sample divided by the number of samples, with the "
                        "model in eval mode")
@@ -346,6 +435,47 @@ def check_evaluate(evaluate: Callable) -> None:
 # (batch, shards): an even split first, so that a mistake that only shows on uneven shards is named
 # as such; 5 rows on 4 shards is where x.chunk(4) gives only 3 pieces.
 _SHARD_CASES = [(12, 3), (10, 4), (5, 4), (7, 1)]
+
+CATALOGUE_C = Catalogue(
+    "01.c gradient from shards",
+    Misconception(
+        "shards_mean_of_means",
+        "the mean of the shards' gradients is the batch's gradient",
+        "on uneven shards, .grad holds the plain mean of the shards' gradients",
+        "which weighs every shard equally: the rows of a small shard then count more than the "
+        "others. The mean of means is the batch's mean only for equal shards; weigh shard k's "
+        "gradient by its share of the batch, rows_k / batch."),
+    Misconception(
+        "shards_summed",
+        "the ranks' gradients add up",
+        ".grad holds the sum of the shards' gradients",
+        "each shard's loss is already a mean over its rows, so the ranks' gradients must be "
+        "averaged (weighted by shard size), not added."),
+    Misconception(
+        "shards_no_zero",
+        "the gradient starts from zero",
+        ".grad holds the right gradient plus what was in .grad before",
+        "your gradient was added to the gradients already in .grad (a previous step left them "
+        "there): set .grad (or zero it first, like optimizer.zero_grad()) instead of accumulating "
+        "onto it."),
+    Misconception(
+        "shards_chunk",
+        "x.chunk(n) gives n shards",
+        "the model ran on fewer shards than asked, which together hold the batch",
+        "so it can give fewer pieces than asked; torch.tensor_split gives exactly n."),
+    Misconception(
+        "shards_whole_batch",
+        "it is enough to get the right numbers",
+        "the model ran once, on the whole batch",
+        "that is one device, not N ranks. Run it on each shard separately (each rank only sees its "
+        "shard), then combine the shards' gradients."),
+    Misconception(
+        "shards_with_step",
+        "a gradient is not done until the optimizer steps",
+        "the parameters changed",
+        "compute gradients only, the optimizer step is not part of this exercise."),
+)
+_hint_c = CATALOGUE_C.hint
 
 
 @checker("01.c gradient from shards")
@@ -376,21 +506,18 @@ def check_shard_gradients(shard_gradients: Callable) -> None:
             raise CheckFailed(f"for {where} the model never ran: run it on each shard.")
         if n > 1 and rows == [batch]:
             raise CheckFailed(
-                f"for {where} the model ran once, on the whole batch: that is one device, not N "
-                "ranks. Run it on each shard separately (each rank only sees its shard), then "
-                "combine the shards' gradients.")
+                f"for {where} the model ran once, on the whole batch: " + _hint_c("shards_whole_batch"))
         if len(rows) != n or sum(rows) != batch:
             hint = ""
             if len(rows) < n and sum(rows) == batch:
                 hint = (f" x.chunk({n}) cuts {batch} rows into pieces of ceil({batch}/{n}) rows, so it "
-                        "can give fewer pieces than asked; torch.tensor_split gives exactly n.")
+                        + _hint_c("shards_chunk"))
             raise CheckFailed(
                 f"for {where} the model ran on {len(rows)} shard(s) of sizes {rows}; expected "
                 f"{n} shards that together hold the {batch} rows.{hint}")
         changed = [k for k, p in model.named_parameters() if not torch.equal(p.detach(), before[k])]
         if changed:
-            raise CheckFailed(f"the parameters changed ({changed[0]}, ...): compute gradients only, "
-                              "the optimizer step is not part of this exercise.")
+            raise CheckFailed(f"the parameters changed ({changed[0]}, ...): " + _hint_c("shards_with_step"))
         got = {k: p.grad for k, p in model.named_parameters()}
         if any(g is None for g in got.values()):
             raise CheckFailed("some parameters have no .grad afterwards: leave the combined "
@@ -409,20 +536,15 @@ def check_shard_gradients(shard_gradients: Callable) -> None:
         stale = {k: want[k] + 0.5 for k in want}
         if all(close(got[k], stale[k], atol=1e-5) for k in want):
             raise CheckFailed(
-                f"for {where} your gradient was added to the gradients already in .grad (a "
-                "previous step left them there): set .grad (or zero it first, like "
-                "optimizer.zero_grad()) instead of accumulating onto it.")
+                f"for {where} " + _hint_c("shards_no_zero"))
         if len(set(rows)) > 1 and all(close(got[k], mean_of_means[k], atol=1e-5) for k in want):
             raise CheckFailed(
-                f"for {where} (shards of {rows} rows) you averaged the shards' gradients, which "
-                "weighs every shard equally: the rows of a small shard then count more than the "
-                "others. The mean of means is the batch's mean only for equal shards; weigh shard "
-                "k's gradient by its share of the batch, rows_k / batch.")
+                f"for {where} (shards of {rows} rows) you averaged the shards' gradients, "
+                + _hint_c("shards_mean_of_means"))
         if n > 1 and all(close(got[k], summed[k], atol=1e-5) for k in want):
             raise CheckFailed(
                 f"for {where} .grad holds the SUM of the shards' gradients, {n}x too large on "
-                "equal shards: each shard's loss is already a mean over its rows, so the ranks' "
-                "gradients must be averaged (weighted by shard size), not added.")
+                "equal shards: " + _hint_c("shards_summed"))
         compare_tensors(want, got, atol=1e-5, what="gradients", where=where,
                         hint="the gradient of the mean loss over the whole batch is the sum over "
                              "shards of (rows_k / batch) x shard k's gradient")

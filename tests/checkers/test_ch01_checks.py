@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from catalogue import cases  # tests/checkers/catalogue.py, beside this file
 from torch import nn
 
 from course_utils import CheckFailed
 from course_utils.checks import check_evaluate, check_shard_gradients, check_train_step
+from course_utils.checks.ch01 import CATALOGUE_A, CATALOGUE_B, CATALOGUE_C
 
 # --------------------------------------------------------------------------------------------
 # 01.a training step with gradient clipping
@@ -192,7 +194,8 @@ def test_train_step_accepts_several_right_answers(right, capsys):
     assert "max_norm below and above" in out and "[PASS] 01.a training step" in out
 
 
-@pytest.mark.parametrize("wrong, message", [
+# Each misconception of CATALOGUE_A: the wrong step of the same name, and what the failure says.
+WRONG_A = {f.__name__: (f, message) for f, message in [
     (clip_before_backward, r"step 0 .*stepped with the unclipped gradients.*after loss.backward\(\).*before "
                            r"optimizer.step\(\)"),
     (never_clips, r"stepped with the unclipped gradients"),
@@ -207,11 +210,23 @@ def test_train_step_accepts_several_right_answers(right, capsys):
     (norm_after_clipping, r"step 0: returned norm .*after clipping.*before clipping"),
     (returns_graph, r"still holds the autograd graph.*`loss.item\(\)` or `loss.detach\(\)`"),
     (summed_loss, r"summed over the batch.*mean over the batch"),
+]}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(CATALOGUE_A, WRONG_A))
+def test_train_step_rejects_usual_mistakes(mistake, wrong):
+    step, message = wrong
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_train_step(step)
+    assert mistake.message in info.value.args[0]
+
+
+@pytest.mark.parametrize("wrong, message", [
     (returns_loss_only, r"should return two numbers"),
     (None, "got None"),
     (42, "expected train_step.*got a int"),
 ], ids=lambda v: getattr(v, "__name__", "msg"))
-def test_train_step_rejects_usual_mistakes(wrong, message):
+def test_train_step_rejects_answers_of_the_wrong_shape(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         check_train_step(wrong)
 
@@ -392,7 +407,8 @@ def test_evaluate_accepts_several_right_answers(right, capsys):
     assert "each left as it was" in out and "[PASS] 01.b evaluation" in out
 
 
-@pytest.mark.parametrize("wrong, message", [
+# Each misconception of CATALOGUE_B: the wrong evaluation of the same name, and what the failure says.
+WRONG_B = {f.__name__: (f, message) for f, message in [
     (eval_no_restore, r"model in training mode.*after evaluate\(\) the model was in eval mode.*"
                       r"model.train\(was_training\)"),
     (eval_back_to_train, r"model in eval mode.*after evaluate\(\) the model was in training mode.*"
@@ -405,11 +421,20 @@ def test_evaluate_accepts_several_right_answers(right, capsys):
     (eval_full_batches, r"len\(loader\) \* batch_size = 1024 samples.*the loader holds 1000"),
     (eval_percent, "not a percentage"),
     (eval_swapped, "swapped"),
-    (eval_accuracy_only, r"two numbers, \(accuracy, mean loss\)"),
-], ids=lambda v: getattr(v, "__name__", "msg"))
-def test_evaluate_rejects_usual_mistakes(wrong, message):
-    with pytest.raises(CheckFailed, match=message):
-        check_evaluate(wrong)
+]}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(CATALOGUE_B, WRONG_B))
+def test_evaluate_rejects_usual_mistakes(mistake, wrong):
+    evaluate, message = wrong
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_evaluate(evaluate)
+    assert mistake.message in info.value.args[0]
+
+
+def test_evaluate_rejects_a_single_number():
+    with pytest.raises(CheckFailed, match=r"two numbers, \(accuracy, mean loss\)"):
+        check_evaluate(eval_accuracy_only)
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,7 +509,8 @@ def test_shards_accept_several_right_answers(right, capsys):
     assert "[PASS] 01.c gradient from shards" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong, message", [
+# Each misconception of CATALOGUE_C: the wrong answer of the same name, and what the failure says.
+WRONG_C = {f.__name__: (f, message) for f, message in [
     (shards_mean_of_means, r"batch of 10 on 4 shard\(s\) \(shards of \[3, 3, 2, 2\] rows\) you averaged.*"
                            r"weighs every shard equally.*rows_k / batch"),
     (shards_summed, r"batch of 12 on 3 shard\(s\).*SUM of the shards' gradients, 3x too large"),
@@ -493,8 +519,17 @@ def test_shards_accept_several_right_answers(right, capsys):
                    r"torch\.tensor_split gives exactly n"),
     (shards_whole_batch, r"ran once, on the whole batch.*each shard separately"),
     (shards_with_step, r"the parameters changed"),
-    (None, "got None"),
-], ids=lambda v: getattr(v, "__name__", "msg"))
-def test_shards_reject_usual_mistakes(wrong, message):
-    with pytest.raises(CheckFailed, match=message):
-        check_shard_gradients(wrong)
+]}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(CATALOGUE_C, WRONG_C))
+def test_shards_reject_usual_mistakes(mistake, wrong):
+    shard_gradients, message = wrong
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_shard_gradients(shard_gradients)
+    assert mistake.message in info.value.args[0]
+
+
+def test_shards_reject_none():
+    with pytest.raises(CheckFailed, match="got None"):
+        check_shard_gradients(None)
