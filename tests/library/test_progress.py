@@ -82,10 +82,25 @@ def test_checkers_record_pass_and_fail_and_the_table_shows_all_exercises(pfile, 
 def test_the_course_checkers_are_discovered():
     names = progress.known_exercises()
     found = []
-    for src in sorted((ROOT / "course_utils" / "checks").glob("ch*.py")):
-        mod = __import__(f"course_utils.checks.{src.stem}", fromlist=["__all__"])
+    checks = ROOT / "course_utils" / "checks"
+    # A chapter is a module chNN.py or a package chNN/ (one module per exercise).
+    chapters = [p.stem for p in checks.glob("ch*.py")]
+    chapters += [p.parent.name for p in checks.glob("ch*/__init__.py")]
+    for chapter in sorted(chapters):
+        mod = __import__(f"course_utils.checks.{chapter}", fromlist=["__all__"])
         found += [getattr(mod, n).exercise for n in mod.__all__ if hasattr(getattr(mod, n), "exercise")]
     assert sorted(names) == sorted(set(found))
+
+
+def test_a_chapter_package_lists_every_exercise_module(checks_dir):
+    package = checks_dir / "ch04"
+    package.mkdir()
+    (package / "__init__.py").write_text("from .a_hand import check_hand\n")
+    (package / "a_hand.py").write_text('@checker("04.a hand all-reduce")\ndef check_hand(fn): ...\n')
+    (package / "b_mini.py").write_text('@checker("04.b mini DDP")\ndef check_mini(fn): ...\n')
+    assert progress.known_exercises(checks_dir) == [
+        "01.a training step", "01.b evaluation", "02.a ddp step", "04.a hand all-reduce", "04.b mini DDP",
+        "10.a overlap"]
 
 
 def test_course_utils_progress_and_the_module_entry_point(pfile, capsys):
@@ -210,7 +225,7 @@ def test_a_held_lock_does_not_hang_a_checker(pfile, monkeypatch):
     import fcntl
 
     pfile.parent.mkdir(parents=True)
-    monkeypatch.setattr(progress, "LOCK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(progress.store, "LOCK_TIMEOUT_S", 0.3)
     fd = os.open(str(pfile) + ".lock", os.O_RDWR | os.O_CREAT)
     try:
         # flock locks belong to the open file: another open of the same file conflicts

@@ -1,0 +1,262 @@
+"""The learner's progress file: where it is, reading it, and adding one checker outcome to it.
+
+The file is ``{"schema": 1, "exercises": {name: entry}}``, one entry per exercise tried (tries,
+passes, the last result, when it was first tried, last tried and first passed).  Every update
+takes an exclusive lock (``fcntl.flock`` on ``progress.json.lock``), reads the file, changes it and
+replaces it atomically (a temporary file and ``os.replace``): several kernels may record at the
+same time, no update is lost and no reader sees half a file.  A damaged file is set aside and
+rebuilt; nothing here ever raises into a checker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import errno
+import fcntl
+import json
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .course import PACKAGE
+
+__all__ = ["SCHEMA", "LOCK_TIMEOUT_S", "ProgressWarning", "course_root", "progress_file",
+           "recording_enabled", "empty", "parse", "load", "record", "status"]
+
+SCHEMA = 1
+LOCK_TIMEOUT_S = 10.0
+
+
+class ProgressWarning(UserWarning):
+    """The progress file had to be rebuilt, or a result could not be recorded."""
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, ProgressWarning, stacklevel=3)
+
+
+# --------------------------------------------------------------------------------------------
+# Where the file is
+# --------------------------------------------------------------------------------------------
+
+
+def course_root() -> Path:
+    """The learner's course folder: the one holding ``course_utils/`` when it is a checkout."""
+    root = PACKAGE.parent
+    if (root / "pyproject.toml").exists() or (root / "notebooks").is_dir():
+        return root
+    return Path.cwd()
+
+
+def progress_file() -> Path:
+    """The progress file in use (``COURSE_PROGRESS_FILE`` or the course folder's)."""
+    env = os.environ.get("COURSE_PROGRESS_FILE")
+    if env:
+        return Path(env).expanduser()
+    return course_root() / "progress" / "progress.json"
+
+
+def recording_enabled() -> bool:
+    """False with ``COURSE_PROGRESS=off``, and in pytest runs without ``COURSE_PROGRESS_FILE``."""
+    if os.environ.get("COURSE_PROGRESS", "").strip().lower() in ("0", "off", "no", "false"):
+        return False
+    if "PYTEST_CURRENT_TEST" in os.environ and not os.environ.get("COURSE_PROGRESS_FILE"):
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Reading and writing
+# --------------------------------------------------------------------------------------------
+
+
+def empty() -> dict:
+    """A progress file with no results."""
+    return {"schema": SCHEMA, "exercises": {}}
+
+
+def _now() -> str:
+    return _dt.datetime.now().isoformat(timespec="seconds")
+
+
+_ENTRY_INTS = ("tries", "passes")
+_ENTRY_STRS = ("last_result", "first_tried", "last_tried", "first_passed")
+
+
+def _clean_entry(entry: Any) -> dict | None:
+    """A well-formed copy of one exercise's entry, or None when it cannot be read."""
+    if not isinstance(entry, dict):
+        return None
+    out: dict = {}
+    for k in _ENTRY_INTS:
+        v = entry.get(k, 0)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return None
+        out[k] = v
+    for k in _ENTRY_STRS:
+        v = entry.get(k)
+        if v is not None and not isinstance(v, str):
+            return None
+        out[k] = v
+    if out["passes"] > out["tries"] or out["last_result"] not in (None, "passed", "failed"):
+        return None
+    return out
+
+
+def parse(text: str) -> tuple[dict, str]:
+    """(data, problem): problem is "" for a good file, else what is wrong with it.
+
+    The readable entries are kept either way (a damaged file still counts what it can)."""
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        return empty(), f"it is not valid JSON ({e})"
+    if not isinstance(raw, dict) or not isinstance(raw.get("exercises"), dict):
+        return empty(), "it does not hold an \"exercises\" table"
+    data = empty()
+    bad = []
+    for name, entry in raw["exercises"].items():
+        clean = _clean_entry(entry)
+        if clean is None:
+            bad.append(name)
+        else:
+            data["exercises"][name] = clean
+    if bad:
+        return data, f"{len(bad)} unreadable entr{'y' if len(bad) == 1 else 'ies'} ({', '.join(bad[:3])})"
+    return data, ""
+
+
+def load(path: Path | str | None = None, *, quiet: bool = False) -> dict:
+    """The recorded results (``{"schema": 1, "exercises": {name: entry}}``), never raising.
+
+    A missing file reads as empty; a corrupt one as empty (or its readable entries) with a
+    warning.  Only ``record`` rewrites the file.
+    """
+    path = Path(path) if path is not None else progress_file()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return empty()
+    except (OSError, UnicodeDecodeError) as e:
+        if not quiet:
+            _warn(f"cannot read the progress file {path} ({e}); showing no results")
+        return empty()
+    data, problem = parse(text)
+    if problem and not quiet:
+        _warn(f"the progress file {path} is damaged: {problem}. It will be rebuilt the next time "
+              "a checker runs.")
+    return data
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[bool]:
+    """Hold an exclusive lock on ``<path>.lock``; yields False if it could not be had in time."""
+
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.01)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it private; the table is nothing secret
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _read_for_update(path: Path) -> dict:
+    """Current data, under the lock; a damaged file is set aside and rebuilt, with a warning."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        # The lock file is created by the first recorded result: if it exists, so did the file.
+        if path.with_name(path.name + ".lock").stat().st_size > 0:
+            _warn(f"the progress file {path} was missing; starting a new one")
+        return empty()
+    except UnicodeDecodeError as e:
+        text, problem = "", f"it is not text ({e})"
+        data = empty()
+    else:
+        data, problem = parse(text)
+    if problem:
+        backup = path.with_name(f"{path.name}.corrupt-{_dt.datetime.now():%Y%m%d-%H%M%S}")
+        with contextlib.suppress(OSError):
+            os.replace(path, backup)
+        kept = len(data["exercises"])
+        _warn(f"the progress file {path} was damaged: {problem}. It was rebuilt"
+              + (f" keeping {kept} readable result(s)" if kept else "")
+              + f"; the old file is kept as {backup.name}.")
+    return data
+
+
+def record(exercise: str, passed: bool, *, path: Path | str | None = None) -> None:
+    """Add one checker outcome to the progress file.  Never raises: problems become warnings."""
+    if path is None:
+        if not recording_enabled():
+            return
+        path = progress_file()
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path) as got_lock:
+            if not got_lock:
+                _warn(f"the progress file {path} stayed locked for {LOCK_TIMEOUT_S:g} s; "
+                      f"the result of {exercise} was not recorded")
+                return
+            data = _read_for_update(path)
+            now = _now()
+            entry = data["exercises"].setdefault(exercise, {
+                "tries": 0, "passes": 0, "last_result": None, "first_tried": now,
+                "last_tried": None, "first_passed": None})
+            entry["tries"] += 1
+            entry["last_tried"] = now
+            entry["last_result"] = "passed" if passed else "failed"
+            if passed:
+                entry["passes"] += 1
+                entry["first_passed"] = entry.get("first_passed") or now
+            _atomic_write(path, data)
+            # mark the lock file: a progress file existed here (see _read_for_update)
+            lock = path.with_name(path.name + ".lock")
+            if lock.stat().st_size == 0:
+                lock.write_text("progress.json lock\n")
+    except OSError as e:
+        _warn(f"could not record the result of {exercise} in {path}: {e}")
+
+
+def status(entry: dict | None) -> str:
+    """``"passed"`` once any try passed, ``"failed"`` when tried and never passed, else ``"not tried"``."""
+    if entry is None or not entry["tries"]:
+        return "not tried"
+    return "passed" if entry["passes"] else "failed"
