@@ -33,6 +33,7 @@ from .ch10 import (
     ring_factor,
     speed_verdict,
 )
+from .ch11 import check_checkpoint_memory, check_tp_linears
 
 __all__ = [
     "check_train_step",
@@ -70,4 +71,6 @@ __all__ = [
     "compare_bucketed_speed",
     "speed_verdict",
     "measure_sharded_memory",
+    "check_tp_linears",
+    "check_checkpoint_memory",
 ]

@@ -1,0 +1,268 @@
+"""11.a Megatron's two linears: ``check_tp_linears(ColumnParallelLinear, RowParallelLinear)``.
+
+The learner writes two modules, each built from the whole ``nn.Linear`` (the same on every rank),
+keeping this rank's shard as its own parameters ``weight`` and ``bias``:
+
+- ``ColumnParallelLinear(linear)``: ``weight`` is this rank's block of the output features
+  (rows of ``linear.weight``), ``bias`` its slice of the bias; ``forward(x)`` takes the whole input
+  (the same on every rank) and returns this rank's slice of the output features.  Its input passes
+  through an autograd function that is the identity in forward and all-reduces the gradient in
+  backward (Megatron's ``f``).
+- ``RowParallelLinear(linear)``: ``weight`` is this rank's block of the input features (columns),
+  ``bias`` the whole bias; ``forward(x_shard)`` takes this rank's slice of the input features and
+  returns the whole output: the partial products are summed by an autograd function that
+  all-reduces in forward and is the identity in backward (Megatron's ``g``), then the bias is added once.
+
+The checker runs both on 2 and on 4 ranks against the single-process ``nn.Linear``: outputs, the
+gradients of the weight, the bias and the input, and, with ``CollectiveSpy``, every collective each
+layer runs, in forward or in backward, and on a tensor of which shape.  Correct values pass whatever
+primitive produced them (``dist.all_reduce`` in a ``torch.autograd.Function``, a tensor hook,
+functional collectives that the spy does not see); when a value is wrong, the communication it saw
+names the mistake.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ...checking import (
+    Catalogue,
+    CheckFailed,
+    CollectiveSpy,
+    Misconception,
+    Outcome,
+    checker,
+    diff_table,
+    format_table,
+    judge,
+    process_group,
+    run_workers,
+)
+
+__all__ = ["CATALOGUE", "check_tp_linears", "WORLDS"]
+
+CATALOGUE = Catalogue(
+    "11.a tensor-parallel linears",
+    Misconception(
+        "all_reduce_in_wrong_pass",
+        "the column-parallel layer sums in forward and the row-parallel one in backward",
+        "an all-reduce in ColumnParallelLinear's forward or in RowParallelLinear's backward, "
+        "none where it belongs",
+        "the all-reduce is in the wrong pass: ColumnParallelLinear's input is already whole on every "
+        "rank, so its forward needs no communication and its backward sums the input's gradient "
+        "over ranks (identity forward / all-reduce backward); RowParallelLinear's forward sums the "
+        "partial outputs (all-reduce forward / identity backward)",
+    ),
+    Misconception(
+        "all_reduce_in_both_passes",
+        "the differentiable all_reduce of torch.distributed.nn does what RowParallelLinear needs",
+        "one layer all-reduces in forward and in backward: its gradients are world-size times too large",
+        "all-reduce in one pass only: torch.distributed.nn.functional.all_reduce also sums the "
+        "gradient in backward, but every rank already holds the whole gradient of the replicated "
+        "output; write a torch.autograd.Function whose backward returns grad_output unchanged",
+    ),
+    Misconception(
+        "split_wrong_dimension",
+        "column-parallel means splitting the columns of nn.Linear's weight",
+        "ColumnParallelLinear's weight has shape (out, in/world) or RowParallelLinear's (out/world, in)",
+        "nn.Linear stores weight as (out_features, in_features): column parallelism splits the output "
+        "features, dim 0 of the weight (Megatron's columns of A in Y = XA); row parallelism splits "
+        "the input features, dim 1",
+    ),
+    Misconception(
+        "row_bias_on_every_rank",
+        "each rank adds its bias, as every linear layer does",
+        "RowParallelLinear's output is off by exactly (world-1) x bias",
+        "add the row-parallel bias once, after the all-reduce (or on one rank only before it): "
+        "added on every rank before the sum, it is counted world times",
+    ),
+    Misconception(
+        "input_not_replicated",
+        "each rank works on its own slice of the batch, as in data parallelism",
+        "ColumnParallelLinear's output has batch/world rows",
+        "in tensor parallelism every rank sees the whole batch (the input is replicated) and the "
+        "weight is what is split: do not cut the input of ColumnParallelLinear",
+    ),
+    Misconception(
+        "input_grad_not_all_reduced",
+        "the input of ColumnParallelLinear needs no communication: it is the same on every rank",
+        "no collective in ColumnParallelLinear, and the input's gradient is this rank's part only",
+        "the input is replicated in forward, so its gradient must be summed over ranks in backward: "
+        "pass the input through an autograd function that is the identity in forward and "
+        "all-reduces grad_output in backward",
+    ),
+)
+
+WORLDS = (2, 4)
+BATCH, SEQ, IN, HID, OUT = 4, 3, 8, 16, 8
+ATOL = 1e-5
+_WATCHED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+
+def _reference(seed: int, fan_in: int, fan_out: int) -> nn.Linear:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Linear(fan_in, fan_out)
+
+
+def _data(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _comm(spy: CollectiveSpy) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    out: dict[str, list[tuple[str, tuple[int, ...]]]] = {"forward": [], "backward": []}
+    for c in spy.calls:
+        out["backward" if c.in_backward else "forward"].append((c.op, c.shape))
+    return out
+
+
+def _describe(comm: dict[str, list]) -> str:
+    def one(calls: list) -> str:
+        return ", ".join(f"{op} on {tuple(shape)}" for op, shape in calls) or "nothing"
+    return f"forward ran {one(comm['forward'])}; backward ran {one(comm['backward'])}"
+
+
+def _run(layer_cls: type, full: nn.Linear, x: torch.Tensor, out_weight: torch.Tensor,
+         device: torch.device) -> tuple[nn.Module, torch.Tensor, torch.Tensor, dict]:
+    """Build the learner's layer, run forward and backward under the spy."""
+    layer = layer_cls(copy.deepcopy(full).to(device))
+    x = x.to(device).requires_grad_()
+    with CollectiveSpy(_WATCHED) as spy:
+        y = layer(x)
+        if isinstance(y, torch.Tensor) and y.shape == out_weight.shape:
+            (y * out_weight.to(device)).sum().backward()
+    return layer, x, y, _comm(spy)
+
+
+def _shard_problem(name: str, layer: nn.Module, want: dict[str, tuple], wrong: tuple) -> str:
+    for attr in want:
+        if not isinstance(getattr(layer, attr, None), nn.Parameter):
+            return (f"{name} has no parameter `{attr}`: keep this rank's shard as "
+                    f"self.{attr} = nn.Parameter(...)")
+    got = tuple(layer.weight.shape)
+    if got == wrong:
+        return (f"{name}.weight has shape {got}, expected {want['weight']}: "
+                + CATALOGUE.hint("split_wrong_dimension"))
+    for attr, shape in want.items():
+        if tuple(getattr(layer, attr).shape) != shape:
+            return f"{name}.{attr} has shape {tuple(getattr(layer, attr).shape)}, expected {shape}"
+    return ""
+
+
+def _values_problem(name: str, expected: dict, got: dict, comm: dict, hint: str) -> str:
+    rows = diff_table(expected, got)
+    if max(d for _, d, _ in rows) <= ATOL:
+        return ""
+    return (f"{name} differs from the single-process nn.Linear ({_describe(comm)}):\n"
+            f"{format_table(rows, ATOL)}\nUsual mistake: {hint}")
+
+
+def _column(Column: type, rank: int, world: int, device: torch.device) -> str:
+    full = _reference(11, IN, HID)
+    x, w = _data(1, BATCH, SEQ, IN), _data(2, BATCH, SEQ, HID)
+    rows = slice(rank * HID // world, (rank + 1) * HID // world)
+    problem = _shard_problem("ColumnParallelLinear", Column(copy.deepcopy(full).to(device)),
+                             {"weight": (HID // world, IN), "bias": (HID // world,)}, (HID, IN // world))
+    if problem:
+        return problem
+    ref_x = x.clone().requires_grad_()
+    ref = copy.deepcopy(full)
+    (ref(ref_x) * w).sum().backward()
+    layer, lx, y, comm = _run(Column, full, x, w[..., rows], device)
+    if not isinstance(y, torch.Tensor):
+        return f"ColumnParallelLinear.forward returned {type(y).__name__}, expected a tensor"
+    want_shape = (BATCH, SEQ, HID // world)
+    if tuple(y.shape) != want_shape:
+        if y.shape[0] == BATCH // world:
+            return (f"ColumnParallelLinear's output has shape {tuple(y.shape)}, expected {want_shape}: "
+                    + CATALOGUE.hint("input_not_replicated"))
+        if tuple(y.shape) == (BATCH, SEQ, HID):
+            return (f"ColumnParallelLinear's output has shape {tuple(y.shape)}, expected {want_shape}: "
+                    "return this rank's slice of the output features (no all-gather); the "
+                    "row-parallel layer that follows takes exactly that slice")
+        return f"ColumnParallelLinear's output has shape {tuple(y.shape)}, expected {want_shape}"
+    fwd, bwd = comm["forward"], comm["backward"]
+    expected = {"output": ref(x)[..., rows], "weight.grad": ref.weight.grad[rows],
+                "bias.grad": ref.bias.grad[rows], "input.grad": ref_x.grad}
+    got = {"output": y, "weight.grad": layer.weight.grad, "bias.grad": layer.bias.grad, "input.grad": lx.grad}
+    got = {k: v for k, v in got.items() if v is not None}
+    if fwd and bwd:
+        hint = CATALOGUE.hint("all_reduce_in_both_passes")
+    elif fwd:
+        hint = CATALOGUE.hint("all_reduce_in_wrong_pass")
+    elif not bwd and _only_input_grad_wrong(expected, got):
+        hint = CATALOGUE.hint("input_grad_not_all_reduced")
+    elif bwd and all(shape != (BATCH, SEQ, IN) for _, shape in bwd):
+        hint = (f"the backward all-reduce ran on {bwd[0][1]}, not on the input's gradient "
+                f"{(BATCH, SEQ, IN)}: the weight's gradient is this rank's own (its shard), "
+                "it is the replicated input's gradient that is summed")
+    else:
+        hint = CATALOGUE.hint("input_grad_not_all_reduced")
+    return _values_problem("ColumnParallelLinear", expected, got, comm, hint)
+
+
+def _only_input_grad_wrong(expected: dict, got: dict) -> bool:
+    rows = {n: d for n, d, _ in diff_table(expected, got)}
+    return rows.get("input.grad", 0) > ATOL and all(d <= ATOL for n, d in rows.items() if n != "input.grad")
+
+
+def _row(Row: type, rank: int, world: int, device: torch.device) -> str:
+    full = _reference(12, HID, OUT)
+    x, w = _data(3, BATCH, SEQ, HID), _data(4, BATCH, SEQ, OUT)
+    cols = slice(rank * HID // world, (rank + 1) * HID // world)
+    problem = _shard_problem("RowParallelLinear", Row(copy.deepcopy(full).to(device)),
+                             {"weight": (OUT, HID // world), "bias": (OUT,)}, (OUT // world, HID))
+    if problem:
+        return problem
+    ref_x = x.clone().requires_grad_()
+    ref = copy.deepcopy(full)
+    ref_y = ref(ref_x)
+    (ref_y * w).sum().backward()
+    layer, lx, y, comm = _run(Row, full, x[..., cols].contiguous(), w, device)
+    if not isinstance(y, torch.Tensor) or tuple(y.shape) != (BATCH, SEQ, OUT):
+        shape = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+        return (f"RowParallelLinear's output is {shape}, expected the whole output {(BATCH, SEQ, OUT)} "
+                "on every rank (sum the partial products over ranks)")
+    fwd, bwd = comm["forward"], comm["backward"]
+    expected = {"output": ref_y, "weight.grad": ref.weight.grad[:, cols], "bias.grad": ref.bias.grad,
+                "input.grad": ref_x.grad[..., cols]}
+    got = {"output": y, "weight.grad": layer.weight.grad, "bias.grad": layer.bias.grad, "input.grad": lx.grad}
+    got = {k: v for k, v in got.items() if v is not None}
+    off = (y.detach().cpu() - ref_y.detach()).reshape(-1, OUT)
+    if fwd and bwd:
+        hint = CATALOGUE.hint("all_reduce_in_both_passes")
+    elif bwd:
+        hint = CATALOGUE.hint("all_reduce_in_wrong_pass")
+    elif torch.allclose(off, (world - 1) * full.bias.detach().expand_as(off), atol=1e-4):
+        hint = CATALOGUE.hint("row_bias_on_every_rank")
+    elif not fwd and not torch.allclose(off, torch.zeros_like(off), atol=ATOL):
+        hint = "RowParallelLinear must sum the partial products of all ranks in forward (all-reduce)"
+    else:
+        hint = CATALOGUE.hint("all_reduce_in_wrong_pass")
+    return _values_problem("RowParallelLinear", expected, got, comm, hint)
+
+
+def _worker(Column: type, Row: type) -> Outcome:
+    with process_group() as pg:
+        problem = _column(Column, pg.rank, pg.world, pg.device)
+        if not problem:
+            problem = _row(Row, pg.rank, pg.world, pg.device)
+        return Outcome(pg.rank, problem=f"on {pg.world} ranks, {problem}" if problem else "")
+
+
+@checker("11.a tensor-parallel linears")
+def check_tp_linears(ColumnParallelLinear: type, RowParallelLinear: type) -> None:
+    """Both layers on 2 and 4 ranks against ``nn.Linear``: outputs, every gradient, communication."""
+    for cls, name in ((ColumnParallelLinear, "ColumnParallelLinear"),
+                      (RowParallelLinear, "RowParallelLinear")):
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise CheckFailed(f"expected {name} to be an nn.Module subclass, got {cls!r}")
+    for world in WORLDS:
+        judge(run_workers(_worker, world, args=(ColumnParallelLinear, RowParallelLinear), timeout=60,
+                          hang_hint="every rank must run the same all-reduces: a rank that skips "
+                          "one (an `if rank == 0:` around it) leaves the others waiting"), world=world)
+
+
