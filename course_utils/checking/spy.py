@@ -183,6 +183,9 @@ class CollectiveSpy:
                 call.peer = args[1] if len(args) > 1 else kwargs.get(_PEER[op])
             if spy.annotate is not None:
                 call.extra = spy.annotate(op, tensor)
+            if op == "batch_isend_irecv":  # what the batch holds: [("isend", peer), ("irecv", peer)...]
+                ops = args[0] if args else kwargs["p2p_op_list"]
+                call.extra = {**call.extra, "p2p": [(p.op.__name__, p.peer) for p in ops]}
             spy.calls.append(call)
             spy._inside.call = True
             try:

@@ -34,6 +34,7 @@ from .ch10 import (
     speed_verdict,
 )
 from .ch11 import check_checkpoint_memory, check_tp_linears
+from .ch12 import check_gpipe
 
 __all__ = [
     "check_train_step",
@@ -73,4 +74,5 @@ __all__ = [
     "measure_sharded_memory",
     "check_tp_linears",
     "check_checkpoint_memory",
+    "check_gpipe",
 ]

@@ -1,0 +1,13 @@
+"""Checkers of chapter 12 (pipeline parallelism, 2D meshes, sharded checkpoints, a simulated large job).
+
+- ``check_gpipe(gpipe_step)`` (12.a, ``a_gpipe.py``): a GPipe step with send/recv on 2 and 4
+  stages, against the single-process model's gradients, with every forward, backward and message
+  of each stage recorded.
+
+Each exercise's module declares its ``CATALOGUE`` of misconceptions; ``tests/checkers/test_ch12_checks.py``
+gives each one to the checker, written as a learner would write it.
+"""
+
+from .a_gpipe import check_gpipe
+
+__all__ = ["check_gpipe"]
