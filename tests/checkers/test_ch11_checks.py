@@ -210,7 +210,7 @@ def test_tp_linears_names_a_gradient_all_reduce_on_the_wrong_tensor():
 
 
 # ------------------------------------------------------------------------------------------
-# 11.b checkpointed activation memory
+# 11.b checkpoint memory
 # ------------------------------------------------------------------------------------------
 
 
@@ -258,7 +258,7 @@ def test_checkpoint_memory_names_each_misconception(entry, answer):
 
 def test_checkpoint_memory_stub_is_not_done_yet():
     def stub(*args):
-        raise NotImplementedError("Exercise 11.b checkpointed activation memory: replace this line")
+        raise NotImplementedError("Exercise 11.b checkpoint memory: replace this line")
 
     with pytest.raises(CheckFailed, match="not done yet"):
         check_checkpoint_memory(stub)

@@ -23,7 +23,7 @@ from ...measure.ch11 import peak_activation_bytes
 __all__ = ["CATALOGUE", "check_checkpoint_memory", "CONFIGS", "TOLERANCE"]
 
 CATALOGUE = Catalogue(
-    "11.b checkpointed activation memory",
+    "11.b checkpoint memory",
     Misconception(
         "ignores_recomputation",
         "with checkpointing only the segment inputs are ever held",
@@ -80,7 +80,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / b
 
 
-@checker("11.b checkpointed activation memory")
+@checker("11.b checkpoint memory")
 def check_checkpoint_memory(predict_peak_activation_bytes: Callable) -> None:
     """The learner's prediction against the measured peak on each of ``CONFIGS``."""
     require_callable(predict_peak_activation_bytes,
