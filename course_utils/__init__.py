@@ -2,15 +2,18 @@
 
 One module per job:
 
-- ``workers``     real worker processes: ``launch`` (``workers.supervisor``), ``run_commands``
-                  (``workers.commands``), the errors they raise, the report channel, the thread budget
+- ``launching``   ``launch``: the workers' launcher (``workers.supervisor``) with the monitor's display
+- ``workers``     real worker processes, knowing nothing of displays: the launcher (``workers.supervisor``),
+                  ``run_commands`` (``workers.commands``), the errors they raise, the report channel,
+                  stack trimming (``workers.stacks``), the thread budget
 - ``devices``     pick gloo or NCCL and this rank's device
 - ``checking``    the checker skeleton: ``@checker``, ``run_workers``, ``process_group``, ``Outcome``,
                   ``CollectiveSpy``, misconception catalogues, comparators
 - ``checks``      the exercise checkers, one module per chapter
 - ``measure``     the lessons' measurements (timings, fits, verdicts), one module per chapter
 - ``data``        the course's synthetic data sets and models
-- ``monitor``     ``report()`` from workers, the live display, GPU/CPU samplers
+- ``monitor``     ``report()`` from workers and the displays that show it, one module per job (see its
+                  ``__init__``)
 - ``explore``     ``explore()``: re-run a measurement with widgets to change its parameters
 - ``progress``    the learner's pass/fail table (``show_progress()``; ``python -m course_utils.progress``)
 - ``diagnose``    tools of the troubleshooting chapter (reachability, stragglers, duplicates, stacks)
@@ -25,12 +28,13 @@ The maintainers' tools are not part of it: ``tools/`` beside it holds the exerci
 
 from .checking import CheckFailed
 from .devices import backend_and_device, choose_backend
+from .launching import launch
 from .monitor import report
 from .progress import show as show_progress
 from .workers.commands import CommandFailed, CommandResult, run_commands
 from .workers.errors import RankFailure, WorkerError, WorkerTimeout
 from .workers.prewarm import start_in_background as _prewarm
-from .workers.supervisor import free_port, launch
+from .workers.supervisor import free_port
 
 __all__ = [
     "launch",

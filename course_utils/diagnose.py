@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .workers.errors import WorkerError
+from .workers.stacks import stuck_where
 
 __all__ = [
     "Check",
@@ -424,32 +425,6 @@ def barrier_waits(group: Any = None) -> list[float]:
 # --------------------------------------------------------------------------------------------
 # Reading failures
 # --------------------------------------------------------------------------------------------
-
-_TORCH_FRAME = re.compile(r"(site-packages|dist-packages)[/\\]torch[/\\]")
-
-
-def stuck_where(stack: str) -> str:
-    """One line from a stuck rank's stack: the torch call it waits in and the user line above it.
-
-    ``stack`` is ``WorkerTimeout.failures[rank].stack`` (innermost frame first, as faulthandler
-    writes it).
-    """
-    frames = [ln.strip() for ln in stack.splitlines() if ln.strip().startswith("File ")]
-    if not frames:
-        return "(no Python stack)"
-    inner = None
-    for ln in frames:
-        m = re.match(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)', ln)
-        if not m:
-            continue
-        if _TORCH_FRAME.search(m["file"]):
-            if inner is None and m["fn"] != "wrapper":
-                inner = m["fn"]
-            continue
-        user = f"{m['fn']}() line {m['line']}"
-        return f"in torch {inner}(), called from {user}" if inner else f"in {user}"
-    return f"in torch {inner}()" if inner else frames[0]
-
 
 def short_mismatch(message: str) -> str:
     """``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s mismatch report without the long ``TensorOptions(...)``

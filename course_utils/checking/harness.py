@@ -36,10 +36,11 @@ import torch
 import torch.distributed as dist
 
 from ..devices import backend_and_device, process_group_kwargs
+from ..launching import launch
 from ..monitor import NullDisplay
 from ..progress import record
-from ..workers.errors import RankFailure, WorkerError, WorkerTimeout, indent
-from ..workers.supervisor import launch
+from ..workers.errors import FailureKind, RankFailure, WorkerError, WorkerTimeout, indent
+from ..workers.stacks import drop_frames
 from .errors import CheckFailed
 
 __all__ = [
@@ -190,33 +191,12 @@ def learner_frames(text: str) -> str:
     frames are left out.  When nothing is left, the last frame is kept so that the message still
     says where.
     """
-    lines = text.rstrip().splitlines()
-    out: list[str] = []
-    skip_code = False
-    frames = 0
-    for line in lines:
-        stripped = line.strip()
-        if stripped.startswith("File "):
-            frames += 1
-            skip_code = any(s in stripped for s in _CHECKER_FRAMES)
-            if not skip_code:
-                out.append(line)
-            continue
-        if line.startswith(("    ", "\t")) and not stripped.startswith(("Traceback", "(most")):
-            if not skip_code:
-                out.append(line)
-            continue
-        skip_code = False
-        out.append(line)
-    if frames and not any(s.strip().startswith("File ") for s in out):
-        last = [i for i, s in enumerate(lines) if s.strip().startswith("File ")][-1]
-        out = lines[last:]
-    return "\n".join(out)
+    return drop_frames(text, _CHECKER_FRAMES)
 
 
 def _root_causes(failures: dict[int, RankFailure]) -> list[RankFailure]:
     """The ranks whose failure is their own: not stopped by the launcher, not a peer's echo."""
-    own = [f for f in failures.values() if f.kind != "stopped"]
+    own = [f for f in failures.values() if f.kind is not FailureKind.STOPPED]
     primary = [f for f in own if not f.is_echo]
     return sorted(primary or own, key=lambda f: f.rank)
 
@@ -263,7 +243,7 @@ def run_workers(
         return launch(worker, nprocs=world, args=tuple(args), timeout=timeout, display=progress,
                       finish_within=finish_within, env=env)
     except WorkerTimeout as e:
-        stacks = {r: f.stack for r, f in e.failures.items() if f.kind == "timeout"}
+        stacks = {r: f.stack for r, f in e.failures.items() if f.kind is FailureKind.TIMEOUT}
         custom = explain_hang(stacks) if explain_hang is not None else None
         raise CheckFailed(custom or _hang_message(e, progress, timeout, hang_hint)) from None
     except WorkerError as e:
@@ -275,8 +255,8 @@ def run_workers(
 
 
 def _hang_message(e: WorkerTimeout, progress: NullDisplay, timeout: float, hint: str) -> str:
-    stuck = sorted(r for r, f in e.failures.items() if f.kind == "timeout")
-    done = sorted(r for r, f in e.failures.items() if f.finished_anyway or f.kind == "stopped")
+    stuck = sorted(r for r, f in e.failures.items() if f.kind is FailureKind.TIMEOUT)
+    done = sorted(r for r, f in e.failures.items() if f.kind is FailureKind.STOPPED)
     if e.early_finish is not None and done:
         head = (f"rank(s) {', '.join(map(str, done))} returned, but rank(s) "
                 f"{', '.join(map(str, stuck))} still waited {e.early_finish:g} s later: a rank that "
@@ -311,7 +291,7 @@ def _error_message(e: WorkerError, progress: NullDisplay, hint: str) -> str:
                 "connection to the finished rank was then reset): every rank must run the same "
                 "collectives, in the same order, the same number of times."
                 + (f"\nUsual mistake: {hint}" if hint else ""))
-    if f.kind == "exception":
+    if f.kind is FailureKind.EXCEPTION:
         head = f"rank {f.rank}{where}: your code raised {f.exc_type}: {f.message}"
         frames = learner_frames(f.traceback)
         body = "\n" + indent(frames) if frames else ""

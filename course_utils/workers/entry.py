@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..workarounds import apply_all as apply_torch_workarounds
 from . import reports
+from .errors import RankResult
 
 __all__ = ["worker_main"]
 
@@ -67,19 +68,19 @@ def _become_the_kernel(spec: dict) -> None:
     multiprocessing.set_start_method("fork" if sys.version_info < (3, 14) else "forkserver", force=True)
 
 
-def _run(payload: bytes) -> tuple:
-    """``("ok", value)`` or ``("exc", type name, message, traceback)``."""
+def _run(payload: bytes) -> RankResult:
+    """The function's return value, or the exception it raised, as a ``RankResult``."""
     try:
         fn, args, kwargs = pickle.loads(payload)  # may import modules: start-up, not yet fn's time
         reports.announce_start()
-        return ("ok", fn(*args, **kwargs))
+        return RankResult(fn(*args, **kwargs))
     except SystemExit as e:  # sys.exit(0) in a worker counts as success, like under torchrun
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        return ("ok", None) if code == 0 else ("exc", "SystemExit", f"exit code {code}", "")
+        return RankResult() if code == 0 else RankResult.raised("SystemExit", f"exit code {code}")
     except BaseException as e:  # everything must reach the notebook
         # Drop this bootstrap frame: the learner's code starts one level down.
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
-        return ("exc", type(e).__name__, str(e), tb)
+        return RankResult.raised(type(e).__name__, str(e), tb)
 
 
 def worker_main(
@@ -104,14 +105,13 @@ def worker_main(
     _become_the_kernel(spec)
     apply_torch_workarounds()
 
-    status = _run(payload)
+    result = _run(payload)
     try:
-        data = cloudpickle.dumps(status)
+        data = cloudpickle.dumps(result)
     except Exception as e:  # the return value could not be pickled
-        data = cloudpickle.dumps(
-            ("exc", "PicklingError", f"the return value of rank {spec['rank']} cannot be sent "
-             f"back to the notebook ({e}); return tensors, numbers, lists or dicts", "")
-        )
+        data = cloudpickle.dumps(RankResult.raised(
+            "PicklingError", f"the return value of rank {spec['rank']} cannot be sent back to the "
+            f"notebook ({e}); return tensors, numbers, lists or dicts"))
     try:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,12 +1,14 @@
-"""What went wrong in a launch, rank by rank."""
+"""What a rank sent back, and what went wrong in a launch, rank by rank."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 import signal
+from typing import Any
 
-__all__ = ["ECHO", "RankFailure", "WorkerError", "WorkerTimeout", "indent"]
+__all__ = ["ECHO", "FailureKind", "RankResult", "RankFailure", "WorkerError", "WorkerTimeout", "indent"]
 
 # Messages that one rank's failure causes on its peers (a closed connection, a receive that timed
 # out): the root cause is on another rank.
@@ -32,58 +34,89 @@ def signal_name(exitcode: int | None) -> str:
         return f"signal {sig}"
 
 
+@dataclasses.dataclass(frozen=True)
+class RankResult:
+    """What a worker sends back: its function's return value, or the exception it raised.
+
+    ``exc_type`` is empty when the function returned ``value``; otherwise it names the exception,
+    with its message and formatted traceback (the exception itself may not unpickle here).
+    """
+
+    value: Any = None
+    exc_type: str = ""
+    message: str = ""
+    traceback: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.exc_type
+
+    @classmethod
+    def raised(cls, exc_type: str, message: str, traceback: str = "") -> RankResult:
+        return cls(exc_type=exc_type, message=message, traceback=traceback)
+
+
+class FailureKind(enum.StrEnum):
+    """How a rank failed.  A ``str``: ``failure.kind == "stopped"`` holds for ``STOPPED``."""
+
+    EXCEPTION = "exception"  # the function raised
+    EXIT = "exit"  # the process exited without a result
+    SIGNAL = "signal"  # it was killed
+    TIMEOUT = "timeout"  # still running at the deadline (``stack`` says where)
+    STOPPED = "stopped"  # the launcher stopped it because another rank failed
+
+
 @dataclasses.dataclass
 class RankFailure:
     """What happened to one rank that did not return normally.
 
-    ``kind`` is one of ``"exception"`` (the function raised), ``"exit"`` (the process exited
-    without a result), ``"signal"`` (it was killed), ``"timeout"`` (still running at the deadline;
-    ``stack`` says where) or ``"stopped"`` (the launcher killed it because another rank failed).
+    ``kind`` is a ``FailureKind`` (a plain string such as ``"exception"`` is converted).
+    ``finished_anyway`` is set by the launcher on a ``STOPPED`` rank that had already returned
+    when another rank failed or hung.
     """
 
     rank: int
-    kind: str
+    kind: FailureKind
     exc_type: str = ""
     message: str = ""
     traceback: str = ""
     exitcode: int | None = None
     stack: str = ""
+    finished_anyway: bool = False
+
+    def __post_init__(self) -> None:
+        self.kind = FailureKind(self.kind)
 
     def short(self) -> str:
         """A few words for a status line: ``raised ValueError``, ``killed by SIGKILL``..."""
-        if self.kind == "exception":
+        if self.kind is FailureKind.EXCEPTION:
             return f"raised {self.exc_type}"
-        if self.kind == "signal":
+        if self.kind is FailureKind.SIGNAL:
             return f"killed by {signal_name(self.exitcode)}"
-        if self.kind == "exit":
+        if self.kind is FailureKind.EXIT:
             return f"exited with code {self.exitcode}"
-        if self.kind == "timeout":
+        if self.kind is FailureKind.TIMEOUT:
             return "still running when the launch timed out"
-        return self.message or self.kind or "stopped"
+        return self.message or "stopped"
 
     @property
     def is_echo(self) -> bool:
         """An exception that reads like a peer's failure seen from here (``ECHO``), not a cause."""
-        return self.kind == "exception" and bool(ECHO.search(self.message))
-
-    @property
-    def finished_anyway(self) -> bool:
-        """Stopped by the launcher although it had already returned (another rank failed)."""
-        return self.kind == "stopped" and self.message.startswith("finished")
+        return self.kind is FailureKind.EXCEPTION and bool(ECHO.search(self.message))
 
     def describe(self) -> str:
         """The full account: the exception with its traceback, the signal, or the hung stack."""
-        if self.kind == "exception":
+        if self.kind is FailureKind.EXCEPTION:
             head = f"rank {self.rank} raised {self.exc_type}: {self.message}"
             return head + ("\n" + indent(self.traceback) if self.traceback else "")
-        if self.kind == "signal":
+        if self.kind is FailureKind.SIGNAL:
             name = signal_name(self.exitcode)
             return f"rank {self.rank} was killed by {name}" + (
                 " (out of memory? the kernel's OOM killer sends SIGKILL)" if name == "SIGKILL" else ""
             )
-        if self.kind == "exit":
+        if self.kind is FailureKind.EXIT:
             return f"rank {self.rank} exited with code {self.exitcode} without returning a result"
-        if self.kind == "timeout":
+        if self.kind is FailureKind.TIMEOUT:
             where = indent(self.stack) if self.stack else "  (no Python stack could be collected)"
             return f"rank {self.rank} was still running; it was stuck here:\n{where}"
         return f"rank {self.rank} was stopped by the launcher ({self.message})"
@@ -101,7 +134,7 @@ class WorkerError(RuntimeError):
     @property
     def failed_ranks(self) -> list[int]:
         """Ranks that failed by themselves (not the ones the launcher stopped afterwards)."""
-        return sorted(r for r, f in self.failures.items() if f.kind != "stopped")
+        return sorted(r for r, f in self.failures.items() if f.kind is not FailureKind.STOPPED)
 
 
 class WorkerTimeout(WorkerError):

@@ -156,3 +156,20 @@ def test_the_learners_package_holds_no_maintainer_tool():
     """The GPU check and the exercise generator are scripts in ``tools/``, not modules a learner imports."""
     tools = sorted(m for m in MODULES if m.rpartition(".")[2] in ("gpu_check", "exercises"))
     assert not tools, f"maintainers' tools belong in tools/, not in course_utils/: {tools}"
+
+
+def test_the_launcher_package_imports_nothing_of_the_display():
+    """``course_utils.workers`` takes its display from its caller: no import of ``course_utils.monitor``
+    under ``course_utils/workers/``, also not inside a function, nor by name (``import_module``)."""
+    graph = _graph()
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        if mod != "course_utils.workers" and not mod.startswith("course_utils.workers."):
+            continue
+        bad += [f"{mod} imports {d}" for d in sorted(deps)
+                if d == "course_utils.monitor" or d.startswith("course_utils.monitor.")]
+        for node in ast.walk(ast.parse(MODULES[mod].read_text())):
+            if (isinstance(node, ast.Call) and any(isinstance(a, ast.Constant) and isinstance(a.value, str)
+                                                   and "monitor" in a.value.split(".") for a in node.args)):
+                bad.append(f"{mod} line {node.lineno}: names the monitor in a call")
+    assert not bad, "the launcher must take its display from its caller:\n" + "\n".join(bad)

@@ -16,8 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_utils import WorkerError, WorkerTimeout, launch, run_commands
+from course_utils import RankFailure, WorkerError, WorkerTimeout, launch, report, run_commands
 from course_utils.devices import choose_backend
+from course_utils.workers import supervisor
+from course_utils.workers.errors import FailureKind
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -140,6 +142,68 @@ def test_raising_rank_is_named_with_type_message_and_traceback():
     assert "Traceback" in msg and "in work" in msg
     assert "rank 0 was stopped by the launcher" in msg
     assert not isinstance(e, WorkerTimeout)
+
+
+def _returns_or_fails_once_rank0_is_gone(flag: str) -> str:
+    """Rank 0 returns at once; rank 1 raises once rank 0's process has exited."""
+    if os.environ["RANK"] == "0":
+        Path(flag).write_text(str(os.getpid()))
+        return "done"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if os.path.exists(flag) and (pid := Path(flag).read_text()):
+            if not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE:
+                break
+        time.sleep(0.01)
+    raise ValueError("late failure")
+
+
+def test_a_rank_that_had_returned_is_stopped_as_finished_anyway(tmp_path):
+    with pytest.raises(WorkerError) as ei:
+        launch(_returns_or_fails_once_rank0_is_gone, 2, args=(str(tmp_path / "pid"),), timeout=60)
+    done, failed = ei.value.failures[0], ei.value.failures[1]
+    assert failed.kind is FailureKind.EXCEPTION and not failed.finished_anyway
+    assert done.kind is FailureKind.STOPPED and done.finished_anyway, done
+    assert done.message == "finished, but rank 1 failed"
+    assert ei.value.failed_ranks == [1]
+
+
+def test_failure_kinds_are_an_enum_that_still_compares_as_text():
+    f = RankFailure(0, "stopped", message="killed after rank 1 failed")
+    assert f.kind is FailureKind.STOPPED and f.kind == "stopped" and f"{f.kind}" == "stopped"
+    assert not f.finished_anyway  # set by the launcher, never read from the message
+    with pytest.raises(ValueError):
+        RankFailure(0, "crashed")
+
+
+def _three_reports() -> int:
+    for i in range(3):
+        report(step=i + 1)
+    return int(os.environ["RANK"])
+
+
+def test_the_workers_launcher_gives_reports_to_the_display_its_caller_makes():
+    made = []
+
+    class Sink:
+        def __init__(self, world):
+            self.world, self.got, self.failures, self.closed = world, [], None, False
+            made.append(self)
+
+        def update(self, rank, metrics):
+            self.got.append((rank, metrics["step"]))
+
+        def finish(self, failures):
+            self.failures = dict(failures)
+
+        def close(self):
+            self.closed = True
+
+    assert supervisor.launch(_three_reports, 2, display=Sink) == [0, 1]
+    (sink,) = made
+    assert sink.world == 2 and sink.failures == {} and sink.closed
+    assert sorted(sink.got) == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+    assert supervisor.launch(_three_reports, 2) == [0, 1]  # no display: reports are read and dropped
 
 
 def test_os_exit_is_named_with_exit_code():
@@ -392,7 +456,7 @@ def test_leftover_fixture_counts_workers_but_not_the_fork_server(tmp_path):
 
 
 def test_stack_of_a_hang_after_return_still_says_something():
-    from course_utils.workers.supervisor import tidy_stack
+    from course_utils.workers.stacks import tidy_stack
 
     raw = ('Current thread 0x00007f (most recent call first):\n'
            '  File "/x/course_utils/workers/entry.py", line 240 in worker_main\n'

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from course_utils import RankFailure, WorkerError, WorkerTimeout, launch, monitor, report
+from course_utils.monitor import choice, reporting
 from course_utils.workers import reports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,8 +110,8 @@ def train_then_fail(fail_rank: int | None, n: int = 50) -> int:
 
 
 def test_report_outside_launch_is_a_rank0_log_line(monkeypatch, capsys):
-    monkeypatch.setattr(monitor, "_logged_any", False)
-    monkeypatch.setattr(monitor, "_last_log", 0.0)
+    monkeypatch.setattr(reporting, "_logged_any", False)
+    monkeypatch.setattr(reporting, "_last_log", 0.0)
     monkeypatch.delenv("RANK", raising=False)
     report(step=1, total=3, loss=0.5)
     report(step=2, total=3, loss=0.4)  # within LOG_EVERY_S of the first: not printed
@@ -126,7 +127,7 @@ def test_report_converts_tensors_and_rejects_vectors(monkeypatch):
     import torch
 
     seen = []
-    monkeypatch.setattr(monitor, "_sink", type("S", (), {"update": lambda self, r, m: seen.append(m)})())
+    monkeypatch.setattr(reporting, "_sink", type("S", (), {"update": lambda self, r, m: seen.append(m)})())
     report(loss=torch.tensor(0.25), step=torch.tensor(3))
     assert seen == [{"loss": 0.25, "step": 3}]
     with pytest.raises(TypeError, match="takes a number; got a Tensor with 4 elements"):
@@ -333,7 +334,7 @@ def test_status_lines_name_the_rank_the_step_and_the_failure():
     ]
     for failure, why in cases:
         assert monitor.status_line(2, st, failure) == f"rank 2: stopped at step 37/50: {why}"
-    done = RankFailure(2, "stopped", message="finished, but rank 1 failed")
+    done = RankFailure(2, "stopped", message="finished, but rank 1 failed", finished_anyway=True)
     assert monitor.status_line(2, st, done) == "rank 2: step 37/50, finished, but rank 1 failed"
     assert monitor.status_line(3, monitor.RankState(), RankFailure(3, "signal", exitcode=-9)) == \
         "rank 3: stopped before its first report: killed by SIGKILL"
@@ -387,7 +388,7 @@ def test_display_mode_rules(monkeypatch):
     monkeypatch.delenv("COURSE_DISPLAY", raising=False)
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
-    monkeypatch.setattr(monitor, "_in_kernel", lambda: True)
+    monkeypatch.setattr(choice, "in_kernel", lambda: True)
     assert monitor.display_mode() == "text"  # a kernel that no Jupyter server started: nbval
     monkeypatch.setenv("JPY_SESSION_NAME", "/course/notebooks/01.ipynb")
     assert monitor.display_mode() == "widgets"  # JupyterLab
@@ -399,7 +400,7 @@ def test_display_mode_rules(monkeypatch):
     with pytest.raises(ValueError, match="widgets, text, none"):
         monitor.display_mode()
     monkeypatch.setattr(monitor, "DISPLAY", "widgets")
-    monkeypatch.setattr(monitor, "_in_kernel", lambda: False)
+    monkeypatch.setattr(choice, "in_kernel", lambda: False)
     assert monitor.display_mode() == "text"  # no widgets in a terminal
 
 
@@ -416,7 +417,7 @@ def test_live_shows_reports_made_in_this_process():
             raise KeyError("x")
     assert monitor.status_line(0, disp.states[0], disp.failures[0]) == \
         "rank 0: stopped at step 1/2: raised KeyError"
-    assert monitor._sink is None
+    assert reporting._sink is None
 
 
 # --------------------------------------------------------------------------------------------
