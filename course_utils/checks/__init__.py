@@ -34,7 +34,7 @@ from .ch10 import (
     speed_verdict,
 )
 from .ch11 import check_checkpoint_memory, check_tp_linears
-from .ch12 import check_gpipe
+from .ch12 import check_gpipe, check_rank_memory
 
 __all__ = [
     "check_train_step",
@@ -75,4 +75,5 @@ __all__ = [
     "check_tp_linears",
     "check_checkpoint_memory",
     "check_gpipe",
+    "check_rank_memory",
 ]

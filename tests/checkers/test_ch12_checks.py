@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 from catalogue import cases  # tests/checkers/catalogue.py, beside this file
 
 from course_utils.checking import CheckFailed
-from course_utils.checks import check_gpipe
-from course_utils.checks.ch12 import a_gpipe
+from course_utils.checks import check_gpipe, check_rank_memory
+from course_utils.checks.ch12 import a_gpipe, c_memory
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -282,3 +284,78 @@ def test_gpipe_names_each_misconception(entry, answer):
 def test_gpipe_stub_is_not_done_yet():
     with pytest.raises(CheckFailed, match="not done yet"):
         check_gpipe(stub)
+
+
+# ------------------------------------------------------------------------------------------
+# 12.c per-rank memory
+# ------------------------------------------------------------------------------------------
+
+
+def _shard_numel(shape, shards):
+    """FSDP2's shard of one parameter on rank 0: dim 0 cut like torch.chunk (ceil), the rest whole."""
+    rest = math.prod(shape[1:])
+    return -(-shape[0] // shards) * rest
+
+
+def rank_bytes_exact(shapes, mesh_shape):
+    """Rank 0's shard with the padding of the first dimension."""
+    shards = mesh_shape[-1]
+    n = sum(_shard_numel(s, shards) for s in shapes)
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+
+
+def rank_bytes_mean(shapes, mesh_shape):
+    """The mean share: total / shards (no padding)."""
+    total = sum(math.prod(s) for s in shapes) * 4
+    shard = total / mesh_shape[-1]
+    return {"params": shard, "grads": shard, "optimizer": 2 * shard}
+
+
+def params_whole(shapes, mesh_shape):
+    total = sum(math.prod(s) for s in shapes) * 4
+    return {"params": total, "grads": total / mesh_shape[-1], "optimizer": 2 * total / mesh_shape[-1]}
+
+
+def grads_whole(shapes, mesh_shape):
+    total = sum(math.prod(s) for s in shapes) * 4
+    return {"params": total / mesh_shape[-1], "grads": total, "optimizer": 2 * total / mesh_shape[-1]}
+
+
+def one_state(shapes, mesh_shape):
+    shard = sum(math.prod(s) for s in shapes) * 4 / mesh_shape[-1]
+    return {"params": shard, "grads": shard, "optimizer": shard}
+
+
+def divide_by_world(shapes, mesh_shape):
+    shard = sum(math.prod(s) for s in shapes) * 4 / math.prod(mesh_shape)
+    return {"params": shard, "grads": shard, "optimizer": 2 * shard}
+
+
+def memory_stub(shapes, mesh_shape):
+    raise NotImplementedError("Exercise 12.c per-rank memory: fill in predict_rank_bytes")
+
+
+@pytest.mark.parametrize("answer", [rank_bytes_exact, rank_bytes_mean])
+def test_memory_correct_answers_pass(answer, capsys):
+    check_rank_memory(answer)
+    assert "[PASS] 12.c" in capsys.readouterr().out
+
+
+WRONG_C = {
+    "params_unsharded": params_whole,
+    "grads_unsharded": grads_whole,
+    "one_optimizer_state": one_state,
+    "replicas_also_shard": divide_by_world,
+}
+
+
+@pytest.mark.parametrize(("entry", "answer"), cases(c_memory.CATALOGUE, WRONG_C))
+def test_memory_names_each_misconception(entry, answer):
+    with pytest.raises(CheckFailed) as e:
+        check_rank_memory(answer)
+    assert entry.message in str(e.value), str(e.value)
+
+
+def test_memory_stub_is_not_done_yet():
+    with pytest.raises(CheckFailed, match="not done yet"):
+        check_rank_memory(memory_stub)

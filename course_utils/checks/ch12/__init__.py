@@ -3,11 +3,15 @@
 - ``check_gpipe(gpipe_step)`` (12.a, ``a_gpipe.py``): a GPipe step with send/recv on 2 and 4
   stages, against the single-process model's gradients, with every forward, backward and message
   of each stage recorded.
+- ``check_rank_memory(predict_rank_bytes)`` (12.c, ``c_memory.py``): rank 0's parameter, gradient
+  and optimizer bytes of an FSDP2 job at 64 and 256 ranks (and HSDP 8 x 8), predicted from the
+  shapes and compared with the fake backend's simulation.
 
 Each exercise's module declares its ``CATALOGUE`` of misconceptions; ``tests/checkers/test_ch12_checks.py``
 gives each one to the checker, written as a learner would write it.
 """
 
 from .a_gpipe import check_gpipe
+from .c_memory import check_rank_memory
 
-__all__ = ["check_gpipe"]
+__all__ = ["check_gpipe", "check_rank_memory"]

@@ -1,0 +1,91 @@
+"""Chapter 12's measurements: a large FSDP2 job simulated in one process with the fake backend.
+
+``simulate_fsdp(mesh_shape)`` builds the chapter's model with ``fully_shard`` on a ``DeviceMesh`` of
+``prod(mesh_shape)`` ranks, in a process that plays rank 0 of them: the process group is torch's
+"fake" backend (``FakeStore``, ``backend="fake"``), whose collectives return at once without moving
+a byte.  Shapes, shards and the collectives FSDP2 issues are those of the real job; the values are
+not (every all-gather leaves its output as it found it), and nothing is timed.  A 1-D mesh is FSDP
+over every rank; a 2-D mesh ``(replicas, shards)`` is HSDP: parameters sharded over the second
+dimension and replicated over the first.
+
+It opens (and closes) the process's default group, so run it in a worker of its own
+(``launch(simulate_fsdp, nprocs=1, args=((64,),))``), not in the notebook's kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+from ..checking import CollectiveSpy
+
+__all__ = ["sim_model", "sim_shapes", "simulate_fsdp", "FSDP_COLLECTIVES"]
+
+# What FSDP2 calls in torch 2.13 (all_gather_single, not all_gather_into_tensor).
+FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+
+
+def sim_model(seed: int = 0) -> nn.Sequential:
+    """The simulated job's model: an MLP block and a head, 9.4 M parameters (37.7 MB in fp32)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024), nn.GELU(),
+                             nn.Linear(1024, 1000))
+
+
+def sim_shapes() -> list[tuple[int, ...]]:
+    """The shapes of ``sim_model``'s parameters, in order."""
+    return [tuple(p.shape) for p in sim_model().parameters()]
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def simulate_fsdp(mesh_shape: tuple[int, ...], batch: int = 8) -> dict:
+    """Rank 0's bytes and collectives for one AdamW step of ``sim_model`` under FSDP2 (see the module doc).
+
+    Returns ``{"world", "mesh", "params", "grads", "optimizer", "unsharded", "collectives"}``: bytes of
+    the parameter shards, gradient shards and AdamW state this rank keeps, the model's full fp32
+    size, and ``(op, bytes)`` for every collective of the step, in order.
+    """
+    mesh_shape = tuple(mesh_shape)
+    world = math.prod(mesh_shape)
+    # No store-based barriers (init_process_group, new_group): the other ranks do not exist, and a
+    # launcher sets TORCH_DIST_INIT_BARRIER=1.
+    barrier = os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)  # "cpu": see chapter 10
+        model = sim_model()
+        unsharded = sum(p.numel() * p.element_size() for p in model.parameters())
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(batch, 1024)
+        with CollectiveSpy(FSDP_COLLECTIVES) as spy:
+            model(x).square().mean().backward()
+            opt.step()
+        state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+        return {
+            "world": world, "mesh": mesh_shape, "unsharded": unsharded,
+            "params": sum(_local_bytes(p) for p in model.parameters()),
+            "grads": sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
+            "optimizer": sum(_local_bytes(v) for v in state),
+            "collectives": [(c.op, c.nbytes) for c in spy.calls],
+        }
+    finally:
+        dist.destroy_process_group()
+        if barrier is not None:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = barrier
