@@ -1,7 +1,8 @@
 """Chapter 03 checkers: all-reduce mean from other primitives, and a ring all-reduce from send/recv.
 
 Each checker runs the function in real gloo workers; it must accept a right answer and reject the
-usual mistakes, each with a message that names it.
+usual mistakes, each with a message that names it: the wrong-answer tests are parametrized over the
+exercise's catalogue (course_utils/checks/ch03/), one wrong answer per misconception.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from catalogue import cases  # tests/checkers/catalogue.py, beside this file
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_all_reduce_mean, check_ring_all_reduce
+from course_utils.checks.ch03.a_all_reduce_mean import CATALOGUE as MEAN
+from course_utils.checks.ch03.b_ring_all_reduce import CATALOGUE as RING
 
 # --------------------------------------------------------------------------------------------
 # 03.a all-reduce mean
@@ -94,7 +98,8 @@ def test_mean_accepts_several_right_answers(right, capsys):
     assert "[PASS] 03.a all-reduce mean" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong, message", [
+# Each misconception of the catalogue: the wrong answer of the same name, and what the failure says.
+WRONG_MEAN = {f.__name__: (f, message) for f, message in [
     (mean_forgets_divide, r"got the SUM over the 2 ranks"),
     (mean_uses_all_reduce, r"called a collective this exercise excludes \(dist\.all_reduce"),
     (mean_returns_new_tensor, r"unchanged on every rank.*You returned the mean"),
@@ -103,17 +108,17 @@ def test_mean_accepts_several_right_answers(right, capsys):
                             r"tensor /= n"),
     (mean_all_gather_unequal_pieces, r"(?s)allgather: invalid tensor size.*gloo's all_gather needs every "
                                      r"rank's piece to have the same size.*Pad the flattened tensor"),
-], ids=lambda v: getattr(v, "__name__", "msg"))
-def test_mean_rejects_typical_mistakes(wrong, message):
-    with pytest.raises(CheckFailed, match=message):
-        check_all_reduce_mean(wrong)
-
-
-def test_mean_rejects_reduce_without_broadcast():
     # After a gloo reduce the other ranks' tensors hold scratch values, not their inputs.
-    with pytest.raises(CheckFailed, match=r"while rank\(s\) \[0\] hold the mean.*follow it "
-                                          r"with dist\.broadcast"):
-        check_all_reduce_mean(mean_no_broadcast)
+    (mean_no_broadcast, r"while rank\(s\) \[0\] hold the mean.*follow it with dist\.broadcast"),
+]}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(MEAN, WRONG_MEAN))
+def test_mean_rejects_typical_mistakes(mistake, wrong):
+    answer, message = wrong
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_all_reduce_mean(answer)
+    assert mistake.message in info.value.args[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,26 +302,40 @@ def test_ring_accepts_several_rings(right, capsys):
     assert "[PASS] 03.b ring all-reduce" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong, message", [
-    (ring_reduce_scatter_only, r"partial sums: that is the state after the reduce-scatter phase"
-                               r".*all-gather phase is missing"),
-    (ring_assumes_divisible, r"(?s)7 elements\), dtype float32: RuntimeError.*assuming the size divides"),
-    (ring_adds_in_all_gather, r"full sum PLUS a partial sum.*the all-gather phase adds"),
-    (ring_send_everything, r"rank \d of 2 sent a message of \d+ bytes.*more than one piece"),
-    (ring_overwrites_in_reduce_scatter, r"every piece holds ONE rank's input.*overwrites what it receives"),
-    (ring_direct_exchange, r"rank \d of 3 sent to rank\(s\) \[\d, \d\].*that is not a ring"),
-    (ring_uses_all_reduce, r"called a collective this exercise excludes \(dist\.all_reduce"),
-    (ring_returns_new_tensor, r"the tensor is unchanged.*You returned the sum"),
-], ids=lambda v: getattr(v, "__name__", "msg"))
-def test_ring_rejects_typical_mistakes(wrong, message):
-    with pytest.raises(CheckFailed, match=message):
-        check_ring_all_reduce(wrong)
+# Each misconception of the catalogue: the wrong answer of the same name, the checker's arguments,
+# and what the failure says.
+WRONG_RING = {f.__name__: (f, kwargs, message) for f, kwargs, message in [
+    (ring_reduce_scatter_only, {}, r"partial sums: that is the state after the reduce-scatter phase"
+                                   r".*all-gather phase is missing"),
+    (ring_assumes_divisible, {},
+     r"(?s)7 elements\), dtype float32: RuntimeError.*assuming the size divides"),
+    (ring_adds_in_all_gather, {}, r"full sum PLUS a partial sum.*the all-gather phase adds"),
+    (ring_overwrites_in_reduce_scatter, {},
+     r"every piece holds ONE rank's input.*overwrites what it receives"),
+    (ring_direct_exchange, {}, r"rank \d of 3 sent to rank\(s\) \[\d, \d\].*that is not a ring"),
+    (ring_uses_all_reduce, {}, r"called a collective this exercise excludes \(dist\.all_reduce"),
+    (ring_returns_new_tensor, {}, r"the tensor is unchanged.*You returned the sum"),
+    # A deadlock of blocking sends.
+    (ring_blocking_sends, {"timeout": 8}, r"hung with world size 2.*every rank is blocked in dist\.send"),
+    # The bytes of whole tensors sent to every rank are counted.
+    (ring_send_everything, {"worlds": (3,)}, r"rank \d of 3 sent \d+ bytes.*is not a ring all-reduce"),
+    # At N = 2 the swap sends exactly the ring's 2(N-1)/N x size: only the message size tells.
+    (ring_swaps_whole_tensor, {"worlds": (2,)},
+     r"rank \d of 2 sent a message of \d+ bytes.*more than one piece.*when N = 2"),
+]}
 
 
-def test_ring_reports_a_deadlock_of_blocking_sends():
-    with pytest.raises(CheckFailed, match=r"hung with world size 2.*every rank is blocked in "
-                                          r"dist\.send"):
-        check_ring_all_reduce(ring_blocking_sends, timeout=8)
+@pytest.mark.parametrize("mistake, wrong", cases(RING, WRONG_RING))
+def test_ring_rejects_typical_mistakes(mistake, wrong):
+    answer, kwargs, message = wrong
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_ring_all_reduce(answer, **kwargs)
+    assert mistake.message in info.value.args[0]
+
+
+def test_ring_rejects_whole_tensors_sent_to_every_rank_on_every_world_size():
+    with pytest.raises(CheckFailed, match=r"rank \d of 2 sent a message of \d+ bytes.*more than one piece"):
+        check_ring_all_reduce(ring_send_everything)
 
 
 def test_ring_stub_is_not_done():
@@ -325,18 +344,6 @@ def test_ring_stub_is_not_done():
 
     with pytest.raises(CheckFailed, match=r"not done yet.*Exercise 03\.b ring all-reduce"):
         check_ring_all_reduce(stub)
-
-
-def test_ring_counts_the_bytes_of_whole_tensors_sent_to_every_rank():
-    with pytest.raises(CheckFailed, match=r"rank \d of 3 sent \d+ bytes.*is not a ring all-reduce"):
-        check_ring_all_reduce(ring_send_everything, worlds=(3,))
-
-
-def test_ring_rejects_a_whole_tensor_swap_at_two_ranks():
-    # At N = 2 the swap sends exactly the ring's 2(N-1)/N x size: only the message size tells.
-    with pytest.raises(CheckFailed, match=r"rank \d of 2 sent a message of \d+ bytes.*more than one "
-                                          r"piece.*when N = 2"):
-        check_ring_all_reduce(ring_swaps_whole_tensor, worlds=(2,))
 
 
 def test_ring_quotes_the_root_cause_not_the_peer_reset():

@@ -1,5 +1,6 @@
 """Chapter 07 checkers: each accepts right answers written in several ways and names the
-misconception behind each wrong one (the catalogue is in course_utils/checks/ch07.py)."""
+misconception behind each wrong one: the wrong-answer tests are parametrized over each exercise's
+catalogue (course_utils/checks/ch07/), one wrong answer per misconception."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from catalogue import cases  # tests/checkers/catalogue.py, beside this file
 
 from course_utils.checking import CheckFailed
-from course_utils.checks import accumulation_verdicts, check_accumulation_step, check_scaled_lr
+from course_utils.checks import check_accumulation_step, check_scaled_lr
+from course_utils.checks.ch07.a_accumulation import CATALOGUE as ACCUMULATION
+from course_utils.checks.ch07.a_accumulation import accumulation_verdicts
+from course_utils.checks.ch07.b_scaled_lr import CATALOGUE as SCALED_LR
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -243,7 +248,8 @@ def verdict(fn) -> str:
     return _all_verdicts()[_ANSWERS.index(fn)]
 
 
-@pytest.mark.parametrize("wrong, message", [
+# Each misconception of the catalogue: the wrong answer of the same name, and what the failure says.
+WRONG_ACC = {f.__name__: (f, message) for f, message in [
     (acc_forgets_to_divide, r"(?s)gradients at optimizer\.step\(\).*4 times too large.*divided by "
                             r"the number of micro-batches"),
     (acc_divides_by_world_size_too, r"(?s)2 \(the world size\) times too small.*already averages"),
@@ -263,9 +269,14 @@ def verdict(fn) -> str:
     (acc_all_reduces_by_hand_as_well, r"(?s)called dist\.all_reduce 6 time\(s\) on top of"),
     (acc_returns_the_sum, r"(?s)returned loss .* that is 4 times the mean"),
     (acc_returns_nothing, r"(?s)expected the mean loss .* got NoneType \(a missing `return`\?\)"),
-], ids=lambda v: getattr(v, "__name__", "msg"))
-def test_accumulation_rejects_misconceptions(wrong, message):
-    assert re.search(message, verdict(wrong)), verdict(wrong)
+]}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(ACCUMULATION, WRONG_ACC))
+def test_accumulation_rejects_misconceptions(mistake, wrong):
+    answer, message = wrong
+    assert re.search(message, verdict(answer)), verdict(answer)
+    assert mistake.message in verdict(answer)
 
 
 def test_the_checker_gives_the_verdict_of_the_batch(capsys):
@@ -352,6 +363,12 @@ def lr_no_warm_up(step, *, base_lr, base_batch, per_rank_batch, world_size, accu
     return base_lr * per_rank_batch * world_size * accum_steps / base_batch
 
 
+def lr_keeps_climbing(step, *, base_lr, base_batch, per_rank_batch, world_size, accum_steps,
+                      warmup_steps):
+    peak = base_lr * per_rank_batch * world_size * accum_steps / base_batch
+    return base_lr + (peak - base_lr) * step / warmup_steps if warmup_steps else peak
+
+
 def lr_peak_one_step_early(step, *, base_lr, base_batch, per_rank_batch, world_size, accum_steps,
                            warmup_steps):
     peak = base_lr * per_rank_batch * world_size * accum_steps / base_batch
@@ -374,15 +391,22 @@ def lr_divides_by_zero(step, *, base_lr, base_batch, per_rank_batch, world_size,
     return base_lr + (peak - base_lr) * min(1.0, step / warmup_steps)
 
 
-@pytest.mark.parametrize("wrong, message", [
+# Each misconception of the catalogue: the wrong answer of the same name, and what the failure says.
+WRONG_LR = {f.__name__: (f, message) for f, message in [
     (lr_without_world_size, r"leaves out the number of ranks"),
     (lr_without_accumulation, r"leaves out the accumulation steps"),
     (lr_warm_from_zero, r"warm-up that starts from 0"),
     (lr_no_warm_up, r"no warm-up: during the first warmup_steps"),
+    (lr_keeps_climbing, r"keeps climbing after warmup_steps"),
     (lr_peak_one_step_early, r"reaches the peak at step warmup_steps - 1"),
     (lr_square_root_rule, r"square-root scaling rule.*linear rule"),
     (lr_divides_by_zero, r"warmup_steps=0 must mean no warm-up"),
-], ids=lambda v: getattr(v, "__name__", "msg"))
-def test_scaled_lr_rejects_misconceptions(wrong, message):
-    with pytest.raises(CheckFailed, match=message):
-        check_scaled_lr(wrong)
+]}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(SCALED_LR, WRONG_LR))
+def test_scaled_lr_rejects_misconceptions(mistake, wrong):
+    answer, message = wrong
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_scaled_lr(answer)
+    assert mistake.message in info.value.args[0]

@@ -1,5 +1,6 @@
 """Chapter 08 checker: accepts right AMP steps written in several ways and names the misconception
-behind each wrong one (the catalogue is in course_utils/checks/ch08.py)."""
+behind each wrong one: the wrong-answer tests are parametrized over the exercise's catalogue
+(course_utils/checks/ch08/a_amp_step.py), one wrong answer per misconception."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from catalogue import cases  # tests/checkers/catalogue.py, beside this file
 
 from course_utils.checking import CheckFailed
-from course_utils.checks import amp_verdicts, check_amp_step, deprecated_amp_calls
+from course_utils.checks import check_amp_step
+from course_utils.checks.ch08.a_amp_step import CATALOGUE, amp_verdicts
+from course_utils.checks.ch08.recorder import deprecated_amp_calls
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -276,6 +280,23 @@ def verdict(fn) -> str:
     return _all_verdicts()[(_RIGHT + [w for w, _ in _WRONG]).index(fn)]
 
 
+@functools.cache
+def _local_skip() -> tuple[str, float]:
+    """The checker's message for a step skipped on one rank only (it cannot run in the batch: the
+    other rank waits), and how long the checker took to give it."""
+    start = time.monotonic()
+    with pytest.raises(CheckFailed) as e:
+        check_amp_step(amp_skips_locally_on_a_nan_loss, amp_dtype=torch.float16)
+    return str(e.value), time.monotonic() - start
+
+
+# Each misconception of the catalogue: the failure message for the wrong answer of the same name,
+# and what it says.
+WRONG = {w.__name__: (functools.partial(verdict, w), message) for w, message in _WRONG}
+WRONG["amp_skips_locally_on_a_nan_loss"] = (lambda: _local_skip()[0],
+                                          r"(?s)rank\(?s?\)? ?1.*returned.*rank\(?s?\)? ?0")
+
+
 def test_accepts_the_solution_in_float16_and_bfloat16(capsys):
     check_amp_step(amp_solution)
     out = capsys.readouterr().out
@@ -287,9 +308,11 @@ def test_accepts_other_right_answers(right):
     assert verdict(right) == ""
 
 
-@pytest.mark.parametrize("wrong, message", _WRONG, ids=lambda v: getattr(v, "__name__", "msg"))
-def test_rejects_misconceptions(wrong, message):
-    assert re.search(message, verdict(wrong)), verdict(wrong)
+@pytest.mark.parametrize("mistake, wrong", cases(CATALOGUE, WRONG))
+def test_rejects_misconceptions(mistake, wrong):
+    failure, message = wrong
+    assert re.search(message, failure()), failure()
+    assert mistake.message in failure()
 
 
 def test_the_checker_gives_the_verdict_of_the_batch():
@@ -300,11 +323,7 @@ def test_the_checker_gives_the_verdict_of_the_batch():
 
 def test_local_skip_is_named_fast():
     # Rank 1's loss is NaN at step 2: it returns, rank 0 waits in DDP's all-reduce.
-    start = time.monotonic()
-    with pytest.raises(CheckFailed) as e:
-        check_amp_step(amp_skips_locally_on_a_nan_loss, amp_dtype=torch.float16)
-    took = time.monotonic() - start
-    msg = str(e.value)
+    msg, took = _local_skip()
     assert re.search(r"(?s)rank\(?s?\)? ?1.*returned.*rank\(?s?\)? ?0", msg), msg
     assert "step 2/3" in msg and "isfinite(loss)" in msg, msg
     assert "course_utils/checks" not in msg and "torch/nn/parallel" not in msg, msg
