@@ -2,7 +2,7 @@
 
 Workers import this file (``from ch10_cost import ddp_comm_per_step``), as ``torchrun`` workers
 would import a file beside the training script.  The all-reduce timing itself is chapter 03's, kept
-in ``course_utils.checks.ch10.allreduce_seconds`` so that the lesson and exercise 10.c measure alike.
+in ``course_utils.measure.ch10.allreduce_seconds`` so that the lesson and exercise 10.c measure alike.
 """
 
 import time

@@ -10,8 +10,8 @@ from .ch03 import ForbiddenCollective, check_all_reduce_mean, check_ring_all_red
 from .ch04 import check_hand_allreduce, check_mini_ddp
 from .ch05 import check_bucket_sampler
 from .ch06 import check_launch_commands, check_resumable
-from .ch07 import check_accumulation_step, check_scaled_lr
-from .ch08 import check_amp_step
+from .ch07 import accumulation_verdicts, check_accumulation_step, check_scaled_lr
+from .ch08 import amp_verdicts, check_amp_step, deprecated_amp_calls
 from .ch09 import (
     check_checkpoint_collective,
     check_distributed_loader,
@@ -20,19 +20,7 @@ from .ch09 import (
     check_nan_skip_step,
     check_uneven_join,
 )
-from .ch10 import (
-    MISCONCEPTIONS,
-    allreduce_seconds,
-    check_bucketed_ddp,
-    check_comm_prediction,
-    check_sharded_optimizer,
-    compare_bucketed_speed,
-    fit_alpha_beta,
-    measure_sharded_memory,
-    measured_rounds,
-    ring_factor,
-    speed_verdict,
-)
+from .ch10 import check_bucketed_ddp, check_comm_prediction, check_sharded_optimizer
 from .ch11 import check_checkpoint_memory, check_tp_linears
 from .ch12 import check_gpipe, check_rank_memory
 
@@ -51,7 +39,10 @@ __all__ = [
     "check_resumable",
     "check_accumulation_step",
     "check_scaled_lr",
+    "accumulation_verdicts",
     "check_amp_step",
+    "amp_verdicts",
+    "deprecated_amp_calls",
     "check_checkpoint_collective",
     "check_distributed_loader",
     "check_metrics_sync",
@@ -61,14 +52,6 @@ __all__ = [
     "check_bucketed_ddp",
     "check_sharded_optimizer",
     "check_comm_prediction",
-    "measured_rounds",
-    "MISCONCEPTIONS",
-    "ring_factor",
-    "fit_alpha_beta",
-    "allreduce_seconds",
-    "compare_bucketed_speed",
-    "speed_verdict",
-    "measure_sharded_memory",
     "check_tp_linears",
     "check_checkpoint_memory",
     "check_gpipe",

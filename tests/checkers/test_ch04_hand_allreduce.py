@@ -13,9 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from catalogue import cases  # tests/checkers/catalogue.py, beside this file
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_hand_allreduce
+from course_utils.checks.ch04.a_hand_allreduce import CATALOGUE
 
 # Ship this module's functions to the workers by value: no import path needed there.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -168,26 +170,33 @@ def test_accepts_right_answers(answer, capsys, no_leftover_processes):
     assert "[PASS] 04.a hand-written all-reduce" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong, message", [
-    (sums_instead_of_averaging, r"SUM of the gradients .* did not divide by the world size \(2\)"),
-    (no_initial_broadcast, r"Usual mistake: not broadcasting the initial weights"),
-    (all_reduce_before_backward, r"its gradients were never all-reduced"),
-    (averages_the_loss, r"(?s)all-reduced a tensor of the autograd graph \(the loss\).*does not "
-                        r"average the gradients.*all-reduce every p\.grad"),
-    (weights_only, r"(?s)net\.0\.bias .*DIFFERENT.*all-reducing only some parameters"),
-    (forgets_return, r"returned None on rank 0; expected the trained model"),
-])
-def test_rejects_usual_mistakes(wrong, message, no_leftover_processes):
-    with pytest.raises(CheckFailed, match=message) as info:
-        check_hand_allreduce(wrong)
-    assert info.value.args[0].startswith("[04.a hand-written all-reduce]")
-
-
-def test_a_collective_on_rank_0_only_fails_instead_of_hanging():
+# Each misconception of the catalogue: the wrong answer of the same name, what the failure says,
+# and the checker's arguments where they differ from its defaults.
+WRONG = {
+    "sums_instead_of_averaging": (sums_instead_of_averaging,
+                                  r"SUM of the gradients .* did not divide by the world size \(2\)", {}),
+    "no_initial_broadcast": (no_initial_broadcast,
+                             r"Usual mistake: not broadcasting the initial weights", {}),
+    "all_reduce_before_backward": (all_reduce_before_backward, r"its gradients were never all-reduced", {}),
+    "averages_the_loss": (averages_the_loss,
+                          r"(?s)all-reduced a tensor of the autograd graph \(the loss\).*does not "
+                          r"average the gradients.*all-reduce every p\.grad", {}),
+    "weights_only": (weights_only, r"(?s)net\.0\.bias .*DIFFERENT.*all-reducing only some parameters", {}),
+    "forgets_return": (forgets_return, r"returned None on rank 0; expected the trained model", {}),
     # Rank 1 finishes and leaves while rank 0 waits in all_reduce; if rank 1 could not leave, the
-    # launch timeout would end it with the same advice.
-    with pytest.raises(CheckFailed, match=r"did not call the same collectives.*inside `if rank == 0:`"):
-        check_hand_allreduce(rank0_only, world_sizes=(2,), timeout=20)
+    # launch timeout would end it with the same advice: the check fails instead of hanging.
+    "rank0_only": (rank0_only, r"did not call the same collectives.*inside `if rank == 0:`",
+                   {"world_sizes": (2,), "timeout": 20}),
+}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(CATALOGUE, WRONG))
+def test_rejects_usual_mistakes(mistake, wrong, no_leftover_processes):
+    answer, message, kwargs = wrong
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_hand_allreduce(answer, **kwargs)
+    assert info.value.args[0].startswith("[04.a hand-written all-reduce]")
+    assert mistake.message in info.value.args[0]
 
 
 def test_stub_and_non_callable():

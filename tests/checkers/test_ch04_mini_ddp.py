@@ -4,7 +4,7 @@ The checker runs the class on 3 gloo ranks next to torch DDP (SGD with momentum,
 course model (BatchNorm buffers) and on a model with a frozen layer and a shared parameter, and
 watches the communication.  It must accept right answers written in different ways and name the
 misconception behind each wrong one.  Every answer below is written whole, as a learner would
-write it (the catalogue is in course_utils/checks/ch04.py).
+write it (the catalogue is ``CATALOGUE`` in course_utils/checks/ch04/b_mini_ddp.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
+from catalogue import cases  # tests/checkers/catalogue.py, beside this file
 from torch import nn
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_mini_ddp
+from course_utils.checks.ch04.b_mini_ddp import CATALOGUE
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -467,43 +469,61 @@ class StoresModelElsewhere(NoBroadcast):
         return self.model(x)
 
 
-WRONG = [
-    (AllReduceLoopAfterBackward, r"step 0: no all-reduce started during backward.*cannot overlap backward"),
-    (BlockingAllReduceInHook, r"during backward your hook waited for communication \(a blocking "
-                              r"dist\.all_reduce.*async_op=True"),
-    (AsyncButWaitsInHook, r"during backward your hook waited for communication \(work\.wait\(\)\)"),
-    (SumsWithoutDividing, r"gradients are 3 times torch DDP's: you summed them.*did not divide by "
-                          r"the world size"),
-    (HooksOnEveryParameter, r"frozen \+ shared parameters.*registering a hook on a parameter with "
-                            r"requires_grad=False.*skip those"),
-    (DividesEveryParameter, r"frozen \+ shared parameters.*NoneType.*a frozen parameter "
-                            r"\(requires_grad=False\) never gets a gradient"),
-    (HookPerModule, r"frozen \+ shared parameters.*step 0: the gradient of block\.weight was "
-                    r"all-reduced 2 times.*a parameter shared by two layers got two hooks"),
-    (NoBroadcast, r"right after construction the parameters on course model.*net\.0\.weight +[\d.e-]+ "
-                  r"+DIFFERENT.*not broadcasting the initial parameters from rank 0"),
-    (BroadcastsParametersOnly, r"right after construction the buffers on course model.*"
-                               r"net\.1\.running_mean +[\d.e-]+ +DIFFERENT.*not broadcasting the "
-                               r"initial buffers"),
-    (NeverClearsHandles, r"step 1: finish_gradient_synchronization\(\) waited again for \d+ handle\(s\) of "
-                         r"an earlier step.*Empty the list"),
-    (NeverWaits, r"step 0: finish_gradient_synchronization\(\) returned without waiting for \d+ of "
-                 r"the \d+ asynchronous all-reduces.*work\.wait\(\)"),
-    (TensorRegisterHook, r"all-reduced the gradient passed to a Tensor\.register_hook hook.*\*before\* "
-                         r"that gradient is accumulated.*register_post_accumulate_grad_hook"),
-    (TensorRegisterHookReadsGrad, r"step 0 raised .*NoneType.*Tensor\.register_hook\(hook\) calls "
-                                  r"hook\(grad\) \*before\*"),
-    (HooksInForward, r"step 1: every gradient was all-reduced 2 times in one step: the hooks were "
-                     r"registered again.*Register them once, in __init__"),
-    (StoresModelElsewhere, r"the wrapper's `\.module` is NoneType"),
-]
+# Each misconception of the catalogue: the wrong class of the same name, and what the failure says.
+WRONG = {
+    "AllReduceLoopAfterBackward": (
+        AllReduceLoopAfterBackward, r"step 0: no all-reduce started during backward.*cannot overlap "
+                                    r"backward"),
+    "BlockingAllReduceInHook": (
+        BlockingAllReduceInHook, r"during backward your hook waited for communication \(a blocking "
+                                 r"dist\.all_reduce.*async_op=True"),
+    "AsyncButWaitsInHook": (
+        AsyncButWaitsInHook, r"during backward your hook waited for communication \(work\.wait\(\)\)"),
+    "SumsWithoutDividing": (
+        SumsWithoutDividing, r"gradients are 3 times torch DDP's: you summed them.*did not divide by "
+                             r"the world size"),
+    "HooksOnEveryParameter": (
+        HooksOnEveryParameter, r"frozen \+ shared parameters.*registering a hook on a parameter with "
+                               r"requires_grad=False.*skip those"),
+    "DividesEveryParameter": (
+        DividesEveryParameter, r"frozen \+ shared parameters.*NoneType.*a frozen parameter "
+                               r"\(requires_grad=False\) never gets a gradient"),
+    "HookPerModule": (
+        HookPerModule, r"frozen \+ shared parameters.*step 0: the gradient of block\.weight was "
+                       r"all-reduced 2 times.*a parameter shared by two layers got two hooks"),
+    "NoBroadcast": (
+        NoBroadcast, r"right after construction the parameters on course model.*net\.0\.weight +[\d.e-]+ "
+                     r"+DIFFERENT.*not broadcasting the initial parameters from rank 0"),
+    "BroadcastsParametersOnly": (
+        BroadcastsParametersOnly, r"right after construction the buffers on course model.*"
+                                  r"net\.1\.running_mean +[\d.e-]+ +DIFFERENT.*not broadcasting the "
+                                  r"initial buffers"),
+    "NeverClearsHandles": (
+        NeverClearsHandles, r"step 1: finish_gradient_synchronization\(\) waited again for \d+ handle\(s\) "
+                            r"of an earlier step.*Empty the list"),
+    "NeverWaits": (
+        NeverWaits, r"step 0: finish_gradient_synchronization\(\) returned without waiting for \d+ of "
+                    r"the \d+ asynchronous all-reduces.*work\.wait\(\)"),
+    "TensorRegisterHook": (
+        TensorRegisterHook, r"all-reduced the gradient passed to a Tensor\.register_hook hook.*\*before\* "
+                            r"that gradient is accumulated.*register_post_accumulate_grad_hook"),
+    "TensorRegisterHookReadsGrad": (
+        TensorRegisterHookReadsGrad, r"step 0 raised .*NoneType.*Tensor\.register_hook\(hook\) calls "
+                                     r"hook\(grad\) \*before\*"),
+    "HooksInForward": (
+        HooksInForward, r"step 1: every gradient was all-reduced 2 times in one step: the hooks were "
+                        r"registered again.*Register them once, in __init__"),
+    "StoresModelElsewhere": (StoresModelElsewhere, r"the wrapper's `\.module` is NoneType"),
+}
 
 
-@pytest.mark.parametrize("wrong, message", WRONG, ids=[w.__name__ for w, _ in WRONG])
-def test_rejects_usual_mistakes(wrong, message):
+@pytest.mark.parametrize("mistake, wrong", cases(CATALOGUE, WRONG))
+def test_rejects_usual_mistakes(mistake, wrong):
+    cls, message = wrong
     with pytest.raises(CheckFailed, match="(?s)" + message) as info:
-        check_mini_ddp(wrong)
+        check_mini_ddp(cls)
     assert info.value.args[0].startswith("[04.b mini DDP]")
+    assert mistake.message in info.value.args[0]
 
 
 def test_exercise_stub_is_not_done():

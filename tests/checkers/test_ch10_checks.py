@@ -1,4 +1,6 @@
-"""Chapter 10 checkers: each accepts two correct answers and names every misconception it lists."""
+"""Chapter 10 checkers: each accepts correct answers written differently and names every misconception
+of its catalogue (``CATALOGUE`` in each module of course_utils/checks/ch10/); the measurements beside
+them (course_utils/measure/ch10.py) count and decide what they print."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from catalogue import cases  # tests/checkers/catalogue.py, beside this file
 from torch import nn
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_bucketed_ddp, check_comm_prediction, check_sharded_optimizer
-from course_utils.checks.ch10 import (
+from course_utils.checks.ch10 import a_bucketed_ddp, b_sharded_optimizer, c_cost_model
+from course_utils.measure.ch10 import (
     compare_bucketed_speed,
     measure_sharded_memory,
     ring_factor,
@@ -25,6 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "solutions"))
 import mini_ddp  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def _names_the_mistake(check, answer, mistake, fragment):
+    """``check(answer)`` fails under the exercise's name, with ``fragment`` and the catalogue's words."""
+    with pytest.raises(CheckFailed, match=rf"(?s)\[{re.escape(check.exercise)}\].*{fragment}") as info:
+        check(answer)
+    assert mistake.message in info.value.args[0]
 
 
 # ------------------------------------------------------------------------------------------
@@ -203,20 +214,25 @@ def test_bucketed_accepts_right_answers(cls, capsys):
     assert "[PASS] 10.a" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    ({"start_in_finish": True}, r"no all-reduce started during backward"),
-    ({"wait_in_hook": True}, r"during backward your hook waited"),
-    ({"start_at_first": True}, r"all-reduced before all of its gradients were ready"),
-    ({"forward": True}, r"filled in forward order"),
-    ({"reset": False}, r"not reset after a step"),
-    ({"average": False}, r"2 times torch DDP's.*not divided by the world size"),
-    ({"copy_back": False}, r"never copied back into the parameters' \.grad"),
-    ({"broadcast": False}, r"right after construction.*no broadcast of rank 0's parameters"),
-    ({"per_param": True}, r"one all-reduce per parameter"),
-], ids=lambda v: "-".join(v) if isinstance(v, dict) else None)
-def test_bucketed_names_each_misconception(flags, fragment):
-    with pytest.raises(CheckFailed, match=rf"(?s)\[10\.a bucketed DDP\].*{fragment}"):
-        check_bucketed_ddp(bucketed(**flags))
+# Each misconception of the catalogue: the switches of the learner's class that make it, and what
+# the failure says.
+WRONG_BUCKETED = {
+    "start_in_finish": ({"start_in_finish": True}, r"no all-reduce started during backward"),
+    "wait_in_hook": ({"wait_in_hook": True}, r"during backward your hook waited"),
+    "start_at_first": ({"start_at_first": True}, r"all-reduced before all of its gradients were ready"),
+    "forward_order": ({"forward": True}, r"filled in forward order"),
+    "no_reset": ({"reset": False}, r"not reset after a step"),
+    "no_average": ({"average": False}, r"2 times torch DDP's.*not divided by the world size"),
+    "no_copy_back": ({"copy_back": False}, r"never copied back into the parameters' \.grad"),
+    "no_broadcast": ({"broadcast": False}, r"right after construction.*no broadcast of rank 0's parameters"),
+    "per_param": ({"per_param": True}, r"one all-reduce per parameter"),
+}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(a_bucketed_ddp.CATALOGUE, WRONG_BUCKETED))
+def test_bucketed_names_each_misconception(mistake, wrong):
+    flags, fragment = wrong
+    _names_the_mistake(check_bucketed_ddp, bucketed(**flags), mistake, fragment)
 
 
 def test_bucketed_stub_is_not_done():
@@ -352,17 +368,22 @@ def test_sharded_accepts_right_answers(cls, capsys):
     assert "[PASS] 10.b" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    ({"shard": False}, r"state on both ranks.*not sharded"),
-    ({"sync": False}, r"rank 1's parameters differ from rank 0's.*broadcast every parameter from its owner"),
-    ({"from_owner": False}, r"broadcast from rank 0 instead of from the rank that owns"),
-    ({"override_add": False}, r"add_param_group\(\) not overridden"),
-    ({"reread": True}, r"generator.*read once"),
-    ({"kwargs": False}, r"keyword arguments.*not passed on"),
-], ids=lambda v: "-".join(v) if isinstance(v, dict) else None)
-def test_sharded_names_each_misconception(flags, fragment):
-    with pytest.raises(CheckFailed, match=rf"(?s)\[10\.b sharded optimizer\].*{fragment}"):
-        check_sharded_optimizer(sharded(**flags))
+WRONG_SHARDED = {
+    "no_sharding": ({"shard": False}, r"state on both ranks.*not sharded"),
+    "no_sync": ({"sync": False}, r"rank 1's parameters differ from rank 0's.*broadcast every parameter "
+                                 r"from its owner"),
+    "broadcast_from_rank0": ({"from_owner": False},
+                             r"broadcast from rank 0 instead of from the rank that owns"),
+    "no_add_param_group": ({"override_add": False}, r"add_param_group\(\) not overridden"),
+    "generator_read_twice": ({"reread": True}, r"generator.*read once"),
+    "no_kwargs": ({"kwargs": False}, r"keyword arguments.*not passed on"),
+}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(b_sharded_optimizer.CATALOGUE, WRONG_SHARDED))
+def test_sharded_names_each_misconception(mistake, wrong):
+    flags, fragment = wrong
+    _names_the_mistake(check_sharded_optimizer, sharded(**flags), mistake, fragment)
 
 
 
@@ -401,27 +422,33 @@ def predict_vector(bucket_bytes, world, alpha, beta):
 
 @pytest.mark.parametrize("fn", [predict_loop, predict_vector])
 def test_prediction_right_answers_pass_the_exact_part(fn, monkeypatch):
-    import course_utils.checks.ch10 as ch10
-
     # The measured part is replaced by a measurement that obeys the model exactly.
     def fake(sizes, groups, world=2, **_):
         a, b = 1e-4, 1e9
         t = [a + ring_factor(world) * s / b for s in sizes]
         return [t], [[sum(a + ring_factor(world) * s / b for s in g) for g in groups]]
 
-    monkeypatch.setattr(ch10, "measured_rounds", fake)
+    monkeypatch.setattr(c_cost_model, "measured_rounds", fake)
     check_comm_prediction(fn)
 
 
-@pytest.mark.parametrize("fn, fragment", [
-    (lambda b, n, a, beta: sum(a + x / beta for x in b), r"ring factor 2\(N-1\)/N is missing"),
-    (lambda b, n, a, beta: sum(a + (n - 1) / n * x / beta for x in b), r"one reduce-scatter"),
-    (lambda b, n, a, beta: a + sum(2 * (n - 1) / n * x / beta for x in b), r"α counted once per step"),
-    (lambda b, n, a, beta: sum(a + 2 * (n - 1) / n * 8 * x / beta for x in b), r"bits and bytes"),
-    (lambda b, n, a, beta: 1e3 * sum(a + 2 * (n - 1) / n * x / beta for x in b), r"milliseconds"),
-    (lambda b, n, a, beta: None, r"expected a number of seconds"),
-])
-def test_prediction_names_each_misconception(fn, fragment):
-    with pytest.raises(CheckFailed, match=rf"(?s)\[10\.c cost-model prediction\].*{fragment}"):
-        check_comm_prediction(fn)
+WRONG_PREDICTION = {
+    "no_ring_factor": (lambda b, n, a, beta: sum(a + x / beta for x in b),
+                       r"ring factor 2\(N-1\)/N is missing"),
+    "one_reduce_scatter": (lambda b, n, a, beta: sum(a + (n - 1) / n * x / beta for x in b),
+                           r"one reduce-scatter"),
+    "alpha_once_per_step": (lambda b, n, a, beta: a + sum(2 * (n - 1) / n * x / beta for x in b),
+                            r"α counted once per step"),
+    "bits_for_bytes": (lambda b, n, a, beta: sum(a + 2 * (n - 1) / n * 8 * x / beta for x in b),
+                       r"bits and bytes"),
+    "milliseconds": (lambda b, n, a, beta: 1e3 * sum(a + 2 * (n - 1) / n * x / beta for x in b),
+                     r"milliseconds"),
+    "forgets_return": (lambda b, n, a, beta: None, r"expected a number of seconds"),
+}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(c_cost_model.CATALOGUE, WRONG_PREDICTION))
+def test_prediction_names_each_misconception(mistake, wrong):
+    fn, fragment = wrong
+    _names_the_mistake(check_comm_prediction, fn, mistake, fragment)
 
