@@ -34,7 +34,7 @@ from .progress import show as show_progress
 from .workers.commands import CommandFailed, CommandResult, run_commands
 from .workers.errors import RankFailure, WorkerError, WorkerTimeout
 from .workers.prewarm import start_in_background as _prewarm
-from .workers.supervisor import free_port
+from .workers.startup import free_port
 
 __all__ = [
     "launch",

@@ -9,7 +9,7 @@ as the following ones.  It happens only in a Jupyter kernel: not in worker proce
 the server, which returns once the server has imported torch: :func:`wait_ready` waits for that.
 The fork server exits with its kernel, so a kernel that never launches anything leaves nothing
 behind.  (With ``COURSE_PREWARM=1`` in a script, ``__main__.__file__`` is hidden for a moment
-while the server starts, as during every launch: see ``supervisor.main_module_hidden``.)
+while the server starts, as during every launch: see ``startup.main_module_hidden``.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 
-from .supervisor import fork_server_context, main_module_hidden
+from .startup import fork_server_context, main_module_hidden
 
 __all__ = ["should_prewarm", "start_in_background", "wait_ready"]
 

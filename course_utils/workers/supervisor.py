@@ -37,157 +37,33 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
-import linecache
-import multiprocessing
 import os
 import pickle
 import selectors
 import signal
-import socket
 import sys
-import threading
 import time
-import types
-from collections import ChainMap
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import cloudpickle
 import torch.distributed as dist
-from cloudpickle import cloudpickle as _cp
 
-from .budget import cpu_threads_per_worker
 from .entry import worker_main
 from .errors import FailureKind, RankFailure, RankResult, WorkerError, WorkerTimeout
 from .lines import LineSplitter
 from .reports import STARTED, decode_frames
 from .stacks import tidy_stack
+from .startup import (
+    dumps_payload,
+    fork_server_context,
+    free_port,
+    linecache_snapshot,
+    loopback_listener,
+    main_module_hidden,
+    worker_env,
+)
 
 __all__ = ["launch", "Display", "free_port", "fork_server_context", "loopback_listener", "main_module_hidden"]
-
-PRELOAD = "course_utils._preload"
-
-# --------------------------------------------------------------------------------------------
-# Small public helpers
-# --------------------------------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Ask the operating system for a TCP port that is free right now.
-
-    Use it for ``init_method="tcp://..."`` demos.  Another program could take the port between
-    this call and its use; the launcher avoids that race by binding its store's socket itself.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def loopback_listener() -> socket.socket:
-    """A TCP socket listening on 127.0.0.1 on a port the operating system picked."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    return sock
-
-
-_ctx_lock = threading.Lock()
-_ctx: Any = None
-
-
-def fork_server_context() -> Any:
-    """The fork-server context, created once per process, preloading torch into the server."""
-    global _ctx
-    with _ctx_lock:
-        if _ctx is None:
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload([PRELOAD])
-            _ctx = ctx
-        return _ctx
-
-
-# --------------------------------------------------------------------------------------------
-# Preparing the payload and the workers' view of the kernel
-# --------------------------------------------------------------------------------------------
-
-
-def _keep_filename(code: types.CodeType) -> tuple:
-    ctor, args = _cp._code_reduce(code)
-    return ctor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
-
-
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, keeping each function's source file name (for example a notebook cell's).
-
-    cloudpickle replaces the file name of the code it ships by value with "<dynamic-code>";
-    keeping the real one lets worker tracebacks point at, and quote, the cell that failed.
-    """
-
-    dispatch_table = ChainMap({types.CodeType: _keep_filename}, cloudpickle.Pickler.dispatch_table)
-
-
-def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buf.getvalue()
-
-
-@contextlib.contextmanager
-def main_module_hidden() -> Iterator[None]:
-    """Stop multiprocessing from re-running the caller's script in every worker.
-
-    multiprocessing normally re-imports ``__main__`` in each child so that pickled references to
-    its functions resolve.  cloudpickle already ships those functions by value, so re-running a
-    script (or pytest's entry point) in every worker would only cost time and repeat side effects.
-    """
-    main = sys.modules.get("__main__")
-    with _ctx_lock:
-        saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
-        try:
-            if main is not None:
-                main.__dict__.pop("__file__", None)
-                main.__dict__["__spec__"] = None
-            yield
-        finally:
-            if main is not None:
-                main.__dict__.pop("__spec__", None)
-                main.__dict__.update(saved)
-
-
-def _linecache_snapshot(limit: int = 2_000_000) -> dict[str, str]:
-    """Source of notebook cells (which exist only in memory) so worker tracebacks show code."""
-    snap: dict[str, str] = {}
-    size = 0
-    for name, entry in list(linecache.cache.items()):
-        if len(entry) != 4 or not isinstance(entry[2], list) or os.path.exists(name):
-            continue
-        text = "".join(entry[2])
-        size += len(text)
-        if size > limit:
-            break
-        snap[name] = text
-    return snap
-
-
-def _worker_env(world: int, env: dict[str, str] | None) -> dict[str, str]:
-    """What every worker's environment has in common, before the store's address is known."""
-    base = dict(os.environ)
-    if env:
-        base.update({k: str(v) for k, v in env.items()})
-    base.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_worker(world)))
-    # init_process_group returns on one rank before the others have finished connecting; a rank
-    # that then leaves at once (no collective, destroy_process_group) makes gloo's connectFullMesh
-    # fail on the slower rank with "Connection closed by peer".  The store-based barrier that
-    # torch runs at the end of init when this is 1 closes that race, for one store round trip.
-    base.setdefault("TORCH_DIST_INIT_BARRIER", "1")
-    # Every rank runs on this machine: gloo's and NCCL's own sockets listen on loopback only.
-    base.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    base.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    base["MPLBACKEND"] = "Agg"
-    base["PYTHONUNBUFFERED"] = "1"
-    return base
-
 
 # --------------------------------------------------------------------------------------------
 # One rank, as the launcher sees it
@@ -304,7 +180,7 @@ def launch(
     if nprocs < 1 or nnodes < 1:
         raise ValueError("nprocs and nnodes must be at least 1")
     try:
-        payload = _dumps((fn, tuple(args), dict(kwargs or {})))
+        payload = dumps_payload((fn, tuple(args), dict(kwargs or {})))
     except Exception as e:
         raise TypeError(
             f"launch() could not send {getattr(fn, '__name__', fn)!r} or its arguments to the "
@@ -313,7 +189,7 @@ def launch(
         ) from e
 
     world = nprocs * nnodes
-    base_env = _worker_env(world, env)
+    base_env = worker_env(world, env)
     ctx = fork_server_context()
     listener = loopback_listener()
     port = listener.getsockname()[1]
@@ -334,7 +210,7 @@ def launch(
         "TORCHELASTIC_RUN_ID": f"course-{os.getpid()}-{port}",
         "COURSE_LAUNCHER": "1",
     }
-    cwd, sys_path, lines = os.getcwd(), list(sys.path), _linecache_snapshot()
+    cwd, sys_path, lines = os.getcwd(), list(sys.path), linecache_snapshot()
 
     ranks: list[_Rank] = []
     sel = selectors.DefaultSelector()
