@@ -1,7 +1,8 @@
 """The exercise checkers, one line per checker: ``from course_utils.checks import check_ring_all_reduce``.
 
-Each chapter module (``ch03.py`` holds chapter 03's checkers) declares its misconception catalogue
-and its checkers; measurements the lessons use live in ``course_utils.measure``.
+Each chapter (a module ``ch02.py``, or a package ``ch03/`` with a module per exercise) declares
+its misconception catalogues and its checkers; measurements the lessons use live in
+``course_utils.measure``.
 """
 
 from .ch01 import check_evaluate, check_shard_gradients, check_train_step
