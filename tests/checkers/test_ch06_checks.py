@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import shutil
@@ -11,9 +12,11 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from catalogue import cases  # tests/checkers/catalogue.py, beside this file
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_launch_commands, check_resumable
+from course_utils.checks.ch06 import a_launch_commands, b_resumable
 
 # --------------------------------------------------------------------------------------------
 # 06.a launch commands
@@ -23,6 +26,7 @@ HEAD = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def _both(build):
+    @functools.wraps(build)  # keeps the name: the catalogue's key
     def make_commands(master_addr, port, job_id, script, script_args):
         return {n: build(n, master_addr, port, job_id, script, script_args) for n in ("node0", "node1")}
     return make_commands
@@ -107,7 +111,8 @@ def test_launch_commands_accepts_the_c10d_commands_and_runs_them(capsys, no_left
     assert "[PASS] 06.a launch commands" in out
 
 
-@pytest.mark.parametrize("wrong, message", [
+# Each misconception of 06.a's catalogue: the wrong commands of the same name, and what the failure says.
+WRONG_A = {f.__name__: (f, message) for f, message in [
     (commands_total_gpus, r"--nproc_per_node=4; it counts the worker processes on ONE machine"),
     (commands_nnodes_is_gpus, r"--nnodes=4; the cluster has 2 machines"),
     (commands_id_per_node, r"different --rdzv_id .* wait in a rendezvous of their own"),
@@ -117,11 +122,23 @@ def test_launch_commands_accepts_the_c10d_commands_and_runs_them(capsys, no_left
     (commands_args_before_script, r"unrecognized arguments: --steps.*go after the script's name"),
     (commands_bare_torchrun, r"starts with 'torchrun --nnodes=2 --nproc_per_node=2'"),
     (commands_one_string, r"is one string"),
+]}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(a_launch_commands.CATALOGUE, WRONG_A))
+def test_launch_commands_rejects_usual_mistakes(mistake, wrong):
+    make_commands, message = wrong
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_launch_commands(make_commands)
+    assert mistake.message in info.value.args[0]
+
+
+@pytest.mark.parametrize("wrong, message", [
     (commands_one_node, r"expected the keys \['node0', 'node1'\]"),
     (lambda *a: None, r"expected a dict"),
     (None, r"got None"),
 ])
-def test_launch_commands_rejects_usual_mistakes(wrong, message):
+def test_launch_commands_rejects_answers_of_the_wrong_shape(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         check_launch_commands(wrong)
 
@@ -391,53 +408,78 @@ def test_resumable_accepts_a_resume_in_the_middle_of_an_epoch(save, load, batche
     assert "[PASS] 06.b resumable training" in out
 
 
+def batches_whole_loader(loader, epoch, step_in_epoch):
+    return loader  # "the loader knows where it was"
+
+
+# Each misconception of 06.b's catalogue: (save, load, batches) with the wrong piece of the same
+# name, and what the failure says.
+WRONG_B = {
+    "save_in_place": (save_in_place, load_right, batches_right,
+                      r"a crash in the middle of a save destroyed the previous checkpoint"),
+    "save_model_only": (save_model_only, load_model_only, batches_right,
+                        r"the optimizer has no state: Adam's moments"),
+    "save_without_scheduler": (save_without_scheduler, load_without_scheduler, batches_right,
+                               r"LR scheduler counts 0 steps.*saved one 3.*scheduler\.state_dict\(\)"),
+    "save_on_every_rank": (save_on_every_rank, load_right, batches_right,
+                           r"rank=1, \.\.\.\) wrote .*They race.*saving on every rank to the same "
+                           r"path.*`if rank != 0: return`"),
+    "load_without_map_location": (save_right, load_without_map_location, batches_right,
+                                  r"saved on a GPU machine cannot be loaded here.*"
+                                  r"torch\.load without map_location"),
+    "load_epoch_only": (save_epoch_only, load_epoch_only, batches_right,
+                        r"saved at \(2, 3\), load_checkpoint returned \(2, 0\): resuming at the start "
+                        r"of epoch 2"),
+    "load_epoch_number": (save_right, load_epoch_number, batches_right,
+                          r"returned only the epoch \(2\).*train its first 3 batches a second time"),
+    "load_unsafe": (save_right, load_unsafe, batches_right, r"ran the code hidden in it.*weights_only=True"),
+    "load_into_new_model": (save_right, load_into_new_model, batches_right,
+                            r"parameters after load_checkpoint differ"),
+    "save_whole_objects": (save_whole_objects, load_right, batches_right,
+                           r"cannot be read with torch.load\(\.\.\., weights_only=True\)"),
+    "save_via_system_temp": (save_via_system_temp, load_right, batches_right,
+                             r"another filesystem than the checkpoint.*EXDEV.*dir="),
+    "save_via_system_temp_and_move": (save_via_system_temp_and_move, load_right, batches_right,
+                                      r"another filesystem.*shutil\.move falls back to a copy, which is "
+                                      r"not atomic"),
+    "save_leaves_temp_on_failure": (save_leaves_temp_on_failure, load_right, batches_right,
+                                    r"a save that failed left \['ckpt\.pt\.tmp'\]"),
+    "save_swallows_errors": (save_swallows_errors, load_right, batches_right,
+                             r"save_checkpoint returned normally.*re-raise"),
+    # The distributed half: the resumed run must train on exactly the batches still due.
+    "batches_from_epoch_start": (save_right, load_right, batches_from_epoch_start,
+                                 r"(?s)resumed from \(epoch, step_in_epoch\) = \(1, 2\).*began epoch 1 "
+                                 r"again from its first batch.*trained twice.*resuming at the start "
+                                 r"of the epoch.*islice"),
+    "batches_no_set_epoch_on_resume": (save_right, load_right, batches_no_set_epoch_on_resume,
+                                       r"(?s)its batches of epoch 1 are those of epoch 0.*forgetting "
+                                       r"set_epoch on resume"),
+    "batches_skip_one_more": (save_right, load_right, batches_skip_one_more,
+                              r"(?s)1 batch\(es\) were never trained on.*skip exactly step_in_epoch"),
+    "batches_whole_loader": (save_right, load_right, batches_whole_loader,
+                             r"(?s)those of epoch 0.*forgetting set_epoch.*began at batch 0 of the epoch, "
+                             r"not at batch 2"),
+}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(b_resumable.CATALOGUE, WRONG_B))
+def test_resumable_rejects_usual_mistakes(mistake, wrong, no_leftover_processes):
+    save, load, batches, message = wrong
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_resumable(save, load, batches)
+    assert mistake.message in info.value.args[0]
+
+
 @pytest.mark.parametrize("save, load, message", [
-    (save_in_place, load_right, r"a crash in the middle of a save destroyed the previous checkpoint"),
-    (save_model_only, load_model_only, r"the optimizer has no state: Adam's moments"),
-    (save_without_scheduler, load_without_scheduler, r"LR scheduler counts 0 steps.*saved one 3.*"
-                                                     r"scheduler\.state_dict\(\)"),
-    (save_on_every_rank, load_right, r"rank=1, \.\.\.\) wrote .*They race.*saving on every rank to the same "
-                                     r"path.*`if rank != 0: return`"),
-    (save_right, load_without_map_location, r"saved on a GPU machine cannot be loaded here.*"
-                                            r"torch\.load without map_location"),
-    (save_epoch_only, load_epoch_only, r"saved at \(2, 3\), load_checkpoint returned \(2, 0\): "
-                                       r"resuming at the start of epoch 2"),
-    (save_right, load_epoch_number, r"returned only the epoch \(2\).*train its first 3 batches a "
-                                    r"second time"),
-    (save_right, load_unsafe, r"ran the code hidden in it.*weights_only=True"),
     (save_right, load_next_step, r"saved at \(epoch, step_in_epoch\) = \(2, 3\), load_checkpoint "
                                  r"returned \(2, 4\)"),
     (save_right, load_returns_nothing, r"load_checkpoint returned None"),
-    (save_right, load_into_new_model, r"parameters after load_checkpoint differ"),
-    (save_whole_objects, load_right, r"cannot be read with torch.load\(\.\.\., weights_only=True\)"),
     (save_to_other_name, load_right, r"left no file at `path`"),
-    (save_via_system_temp, load_right, r"another filesystem than the checkpoint.*EXDEV.*dir="),
-    (save_via_system_temp_and_move, load_right, r"another filesystem.*shutil\.move falls back to a "
-                                                r"copy, which is not atomic"),
-    (save_leaves_temp_on_failure, load_right, r"a save that failed left \['ckpt\.pt\.tmp'\]"),
-    (save_swallows_errors, load_right, r"save_checkpoint returned normally.*re-raise"),
     (None, load_right, r"expected save_checkpoint.*got None"),
 ])
-def test_resumable_rejects_usual_mistakes(save, load, message):
+def test_resumable_rejects_answers_that_break_the_contract(save, load, message):
     with pytest.raises(CheckFailed, match=message):
         check_resumable(save, load, batches_right)
-
-
-@pytest.mark.parametrize("batches, message", [
-    (batches_from_epoch_start, r"(?s)resumed from \(epoch, step_in_epoch\) = \(1, 2\).*began epoch 1 "
-                               r"again from its first batch.*trained twice.*resuming at the start "
-                               r"of the epoch.*islice"),
-    (batches_no_set_epoch_on_resume, r"(?s)its batches of epoch 1 are those of epoch 0.*forgetting "
-                                     r"set_epoch on resume"),
-    (batches_skip_one_more, r"(?s)1 batch\(es\) were never trained on.*skip exactly step_in_epoch"),
-    (lambda loader, epoch, step: loader, r"(?s)those of epoch 0.*forgetting set_epoch.*began at batch 0 "
-                                         r"of the epoch, not at batch 2"),
-])
-def test_resumable_rejects_a_resume_at_the_wrong_sampler_position(batches, message,
-                                                                  no_leftover_processes):
-    """The distributed half: the resumed run must train on exactly the batches still due."""
-    with pytest.raises(CheckFailed, match=message):
-        check_resumable(save_right, load_right, batches)
 
 
 def test_resumable_compares_the_killed_runs_final_state(no_leftover_processes):
