@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .workers.errors import WorkerError
+from .workers.errors import FailureKind, WorkerError
 from .workers.stacks import stuck_where
 
 __all__ = [
@@ -478,11 +478,11 @@ def explain(exc: BaseException, *, lines: int = 2, show: bool = True) -> str:
         out = [exc.summary]
         for rank in sorted(exc.failures):
             f = exc.failures[rank]
-            if f.kind == "exception":
+            if f.kind == FailureKind.EXCEPTION:
                 msg = _first_lines(f.message, lines) or [""]
                 out.append(f"  rank {rank}: {f.exc_type}: {msg[0]}")
                 out += [f"           {m}" for m in msg[1:]]
-            elif f.kind == "timeout":
+            elif f.kind == FailureKind.TIMEOUT:
                 out.append(f"  rank {rank}: stuck {stuck_where(f.stack)}")
             else:
                 out.append("  " + f.describe().splitlines()[0])
