@@ -9,7 +9,7 @@ from torch import nn
 
 from course_utils import CheckFailed
 from course_utils.checks import check_evaluate, check_shard_gradients, check_train_step
-from course_utils.checks.ch01 import CATALOGUE_A, CATALOGUE_B, CATALOGUE_C
+from course_utils.checks.ch01 import a_train_step, b_evaluate, c_shard_gradients
 
 # --------------------------------------------------------------------------------------------
 # 01.a training step with gradient clipping
@@ -194,7 +194,8 @@ def test_train_step_accepts_several_right_answers(right, capsys):
     assert "max_norm below and above" in out and "[PASS] 01.a training step" in out
 
 
-# Each misconception of CATALOGUE_A: the wrong step of the same name, and what the failure says.
+# Each misconception of 01.a (a_train_step.CATALOGUE): the wrong step of that name
+# and what the failure says.
 WRONG_A = {f.__name__: (f, message) for f, message in [
     (clip_before_backward, r"step 0 .*stepped with the unclipped gradients.*after loss.backward\(\).*before "
                            r"optimizer.step\(\)"),
@@ -213,7 +214,7 @@ WRONG_A = {f.__name__: (f, message) for f, message in [
 ]}
 
 
-@pytest.mark.parametrize("mistake, wrong", cases(CATALOGUE_A, WRONG_A))
+@pytest.mark.parametrize("mistake, wrong", cases(a_train_step.CATALOGUE, WRONG_A))
 def test_train_step_rejects_usual_mistakes(mistake, wrong):
     step, message = wrong
     with pytest.raises(CheckFailed, match=message) as info:
@@ -407,7 +408,8 @@ def test_evaluate_accepts_several_right_answers(right, capsys):
     assert "each left as it was" in out and "[PASS] 01.b evaluation" in out
 
 
-# Each misconception of CATALOGUE_B: the wrong evaluation of the same name, and what the failure says.
+# Each misconception of 01.b (b_evaluate.CATALOGUE): the wrong evaluation of that name
+# and what the failure says.
 WRONG_B = {f.__name__: (f, message) for f, message in [
     (eval_no_restore, r"model in training mode.*after evaluate\(\) the model was in eval mode.*"
                       r"model.train\(was_training\)"),
@@ -424,7 +426,7 @@ WRONG_B = {f.__name__: (f, message) for f, message in [
 ]}
 
 
-@pytest.mark.parametrize("mistake, wrong", cases(CATALOGUE_B, WRONG_B))
+@pytest.mark.parametrize("mistake, wrong", cases(b_evaluate.CATALOGUE, WRONG_B))
 def test_evaluate_rejects_usual_mistakes(mistake, wrong):
     evaluate, message = wrong
     with pytest.raises(CheckFailed, match=message) as info:
@@ -509,7 +511,8 @@ def test_shards_accept_several_right_answers(right, capsys):
     assert "[PASS] 01.c gradient from shards" in capsys.readouterr().out
 
 
-# Each misconception of CATALOGUE_C: the wrong answer of the same name, and what the failure says.
+# Each misconception of 01.c (c_shard_gradients.CATALOGUE): the wrong answer of that name
+# and what the failure says.
 WRONG_C = {f.__name__: (f, message) for f, message in [
     (shards_mean_of_means, r"batch of 10 on 4 shard\(s\) \(shards of \[3, 3, 2, 2\] rows\) you averaged.*"
                            r"weighs every shard equally.*rows_k / batch"),
@@ -522,7 +525,7 @@ WRONG_C = {f.__name__: (f, message) for f, message in [
 ]}
 
 
-@pytest.mark.parametrize("mistake, wrong", cases(CATALOGUE_C, WRONG_C))
+@pytest.mark.parametrize("mistake, wrong", cases(c_shard_gradients.CATALOGUE, WRONG_C))
 def test_shards_reject_usual_mistakes(mistake, wrong):
     shard_gradients, message = wrong
     with pytest.raises(CheckFailed, match=message) as info:
