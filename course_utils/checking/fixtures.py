@@ -1,4 +1,6 @@
-"""Test models and data that more than one chapter's checkers use, written once.
+"""Test models and data that more than one chapter's checkers use, written once: ``FrozenAndShared``
+(a frozen layer, a layer used twice, a tied weight; chapters 04 and 10) and
+``ddp_keeping_own_buffers`` (the torch DDP their mini DDPs are compared with).
 
 Chapter-specific models stay in their chapter's module; a model moves here when a second chapter
 needs it.

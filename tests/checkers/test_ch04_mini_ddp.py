@@ -22,6 +22,7 @@ from torch import nn
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_mini_ddp
+from course_utils.checks.ch04 import b_mini_ddp
 from course_utils.checks.ch04.b_mini_ddp import CATALOGUE
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -534,3 +535,11 @@ def test_exercise_stub_is_not_done():
 def test_none_is_rejected_clearly():
     with pytest.raises(CheckFailed, match=r"expected the class DDPIndividualParameters\(module\), got None"):
         check_mini_ddp(None)
+
+
+def test_the_tensor_hook_wrapper_puts_register_hook_back_also_after_an_error():
+    real = torch.Tensor.register_hook
+    with pytest.raises(RuntimeError, match="the learner's code"), b_mini_ddp._Watch().tensor_hooks_wrapped():
+        assert torch.Tensor.register_hook is not real
+        raise RuntimeError("the learner's code")
+    assert torch.Tensor.register_hook is real
