@@ -4,7 +4,8 @@
   while autograd records (the forward pass, and the recomputation of checkpointed segments during
   backward), from its creation until it is freed, and keeps the peak.  Gradients (computed with
   autograd not recording), parameters and the input are not counted.  It works the same on CPU and
-  GPU, because it counts tensors, not what the allocator reserved.
+  GPU, because it counts tensors, not what the allocator reserved; of a ``DTensor`` it counts the
+  local shard, what this rank holds.
 - ``MLPBlock``, ``mlp_stack``, ``forward_in_segments``: the residual MLP block of the chapter and a
   stack of them run with every segment of ``segment`` consecutive blocks checkpointed.
 - ``peak_activation_bytes(layers, segment, ...)``: the measured peak of one training step of that
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
@@ -29,8 +31,18 @@ __all__ = ["ActivationMeter", "MLPBlock", "mlp_stack", "forward_in_segments", "p
            "bytes_by_category", "tensor_bytes"]
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (t.device.type, t.untyped_storage().data_ptr())
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank holds), any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    """Where ``t``'s memory is; None for a tensor without usable storage (one FSDP freed, say)."""
+    t = _plain(t)
+    try:
+        return (t.device.type, t.untyped_storage().data_ptr())
+    except RuntimeError:
+        return None
 
 
 class ActivationMeter(TorchDispatchMode):
@@ -62,8 +74,8 @@ class ActivationMeter(TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 continue
             key = _storage_key(t)
-            storage = t.untyped_storage()
-            if key in seen or key in self._ignore or key in self._refs or storage.nbytes() == 0:
+            storage = _plain(t).untyped_storage()
+            if key is None or key in seen or key in self._ignore or key in self._refs or not storage.nbytes():
                 continue
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
@@ -136,7 +148,7 @@ def tensor_bytes(tensors) -> int:
     seen: dict[tuple[str, int], int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            seen[_storage_key(t)] = t.untyped_storage().nbytes()
+            seen[_storage_key(t)] = _plain(t).untyped_storage().nbytes()
     return sum(seen.values())
 
 

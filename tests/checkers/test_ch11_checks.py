@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,40 +19,16 @@ from course_utils.checks import check_checkpoint_memory, check_tp_linears
 from course_utils.checks.ch11 import a_tp_linears, b_checkpoint_memory
 from course_utils.measure.ch11 import peak_activation_bytes
 
+# The lesson's helper file holds Megatron's f and g (copy_to_tp, reduce_from_tp): the correct answer.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "notebooks"))
+from ch11_tp import copy_to_tp, reduce_from_tp  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 # ------------------------------------------------------------------------------------------
 # 11.a tensor-parallel linears
 # ------------------------------------------------------------------------------------------
-
-
-class CopyToParallel(torch.autograd.Function):
-    """Megatron's f: identity forward, all-reduce backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad)
-        return grad
-
-
-class ReduceFromParallel(torch.autograd.Function):
-    """Megatron's g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        x = x.clone()
-        dist.all_reduce(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 class NoComm(torch.autograd.Function):
@@ -62,7 +41,7 @@ class NoComm(torch.autograd.Function):
         return grad
 
 
-def tp_layers(*, f=CopyToParallel.apply, g=ReduceFromParallel.apply, split_column_dim=0,
+def tp_layers(*, f=copy_to_tp, g=reduce_from_tp, split_column_dim=0,
               bias_every_rank=False, chunk_batch=False):
     """A learner's pair of layers; each switch reproduces one usual mistake."""
 
@@ -166,7 +145,7 @@ def test_tp_linears_accepts_correct_answers(answer, capsys):
 
 
 WRONG_A = {
-    "all_reduce_in_wrong_pass": lambda: tp_layers(f=ReduceFromParallel.apply, g=CopyToParallel.apply),
+    "all_reduce_in_wrong_pass": lambda: tp_layers(f=reduce_from_tp, g=copy_to_tp),
     "all_reduce_in_both_passes": lambda: tp_layers(g=dist_nn.all_reduce),
     "split_wrong_dimension": lambda: tp_layers(split_column_dim=1),
     "row_bias_on_every_rank": lambda: tp_layers(bias_every_rank=True),
