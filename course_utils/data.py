@@ -67,12 +67,9 @@ class CourseModel(nn.Module):
 
 def make_model(seed: int = 0, **kwargs) -> CourseModel:
     """A ``CourseModel`` whose initial weights depend only on ``seed``."""
-    g_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    with torch.random.fork_rng(devices=[]):  # built on CPU: no GPU's generator is touched
+        torch.manual_seed(seed)
         return CourseModel(**kwargs)
-    finally:
-        torch.random.set_rng_state(g_state)
 
 
 class SequenceDataset(torch.utils.data.Dataset):
