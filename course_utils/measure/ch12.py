@@ -53,9 +53,11 @@ def _local_bytes(t: torch.Tensor) -> int:
 def simulate_fsdp(mesh_shape: tuple[int, ...], batch: int = 8) -> dict:
     """Rank 0's bytes and collectives for one AdamW step of ``sim_model`` under FSDP2 (see the module doc).
 
-    Returns ``{"world", "mesh", "params", "grads", "optimizer", "unsharded", "collectives"}``: bytes of
-    the parameter shards, gradient shards and AdamW state this rank keeps, the model's full fp32
-    size, and ``(op, bytes)`` for every collective of the step, in order.
+    Returns ``{"world", "mesh", "params", "grads", "optimizer", "local_shapes", "unsharded",
+    "collectives"}``: bytes of the parameter shards, gradient shards and AdamW state this rank keeps,
+    the shape of each parameter's shard, the model's full fp32 size, and ``(op, bytes)`` for every
+    collective of the step, in order (the first tensor of each call: an all-gather's output, a
+    reduce-scatter's output shard).
     """
     mesh_shape = tuple(mesh_shape)
     world = math.prod(mesh_shape)
@@ -83,6 +85,7 @@ def simulate_fsdp(mesh_shape: tuple[int, ...], batch: int = 8) -> dict:
             "params": sum(_local_bytes(p) for p in model.parameters()),
             "grads": sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
             "optimizer": sum(_local_bytes(v) for v in state),
+            "local_shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
             "collectives": [(c.op, c.nbytes) for c in spy.calls],
         }
     finally:
