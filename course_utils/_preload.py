@@ -16,4 +16,7 @@ import torch.distributed  # noqa: F401
 import torch.nn  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
+# The checkers' workers are functions of course_utils.checks: unpickling one imports the whole
+# index, and with it DTensor, pipelining and FSDP (chapters 11 and 12), about 1 s per worker.
+import course_utils.checks  # noqa: F401
 import course_utils.workers.entry  # noqa: F401
