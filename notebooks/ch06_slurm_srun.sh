@@ -24,7 +24,7 @@ PYTHON=${PYTHON:-python}                 # the same environment on every node
 TRAIN=${TRAIN:-ch06_train.py}            # on a file system that every node sees
 CKPT_DIR=${CKPT_DIR:-$PWD/checkpoints}   # likewise
 DATA_DIR=${DATA_DIR:-${TMPDIR:-/tmp}}    # node-local
-RUN_ID=${RUN_ID:-$SLURM_JOB_NAME}        # the checkpoint's name outlives the job id
+RUN_ID=${RUN_ID:-$SLURM_JOB_NAME-$SLURM_JOB_ID}   # requeued: same id, same checkpoint
 
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 export MASTER_ADDR=${NODES[0]}                     # task 0 (rank 0) runs on the first node

@@ -127,7 +127,8 @@ def test_requeued_job_resumes_from_its_checkpoint_and_ends_equal(cluster, work, 
     info, log = _finish(cluster, work, job, "requeued")
     assert info["Restarts"] == "1"
     assert f"Slurm job {job} run 0" in log and f"Slurm job {job} run 1" in log, log
-    resumed = [line for line in log.splitlines() if "resumed from requeued.pt at step" in line]
+    # The checkpoint is named after the job (RUN_ID = name-jobid): a requeued job keeps its id.
+    resumed = [line for line in log.splitlines() if f"resumed from requeued-{job}.pt at step" in line]
     assert resumed and int(resumed[0].split()[-1]) >= 10, log
     assert "done: 20 steps" in log
     assert _same_model(work / "plain.pt", work / "requeued.pt"), "requeued run differs"
