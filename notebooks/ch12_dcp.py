@@ -11,7 +11,6 @@ Workers import this file (``from ch12_dcp import save_sharded, load_resharded``)
   returns the full state, to compare with the one that was saved.
 """
 
-import contextlib
 import copy
 import os
 import time
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from ch12_mesh import group  # the same gloo group as section 3
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,18 +30,9 @@ DIM, HIDDEN, STEPS = 64, 1024, 3
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, on CPU, on every rank
 
 
-@contextlib.contextmanager
-def group():
-    dist.init_process_group("gloo")
-    try:
-        yield dist.get_rank(), dist.get_world_size()
-    finally:
-        dist.destroy_process_group()
-
-
 def build(seed=0):
     """The model and optimizer, sharded over every rank of the group (mesh on "cpu": see ch12_mesh)."""
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, DIM))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -52,7 +43,7 @@ def build(seed=0):
 
 
 def step(model, opt, seed):
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(100 + seed)
         x = torch.randn(16, DIM)
     F.mse_loss(model(x), x).backward()

@@ -54,14 +54,14 @@ class MLP(nn.Module):
 
 
 def make_model():
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return MLP()
 
 
 def batches(steps):
     """One fixed batch, seen ``steps`` times: the loss falls, and every configuration must follow it."""
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         x, y = torch.randn(BATCH, DIM), torch.randn(BATCH, DIM)
     return [(x, y)] * steps

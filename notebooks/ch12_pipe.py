@@ -46,13 +46,13 @@ def group():
 
 def make_model(seed=0):
     """LAYERS blocks of Linear + Tanh; stage r of p gets blocks r*LAYERS/p ... (r+1)*LAYERS/p - 1."""
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)])
 
 
 def data(device):
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         return torch.randn(BATCH, WIDTH, device=device), torch.randn(BATCH, WIDTH, device=device)
 

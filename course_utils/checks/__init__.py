@@ -23,7 +23,7 @@ from .ch09 import (
 )
 from .ch10 import check_bucketed_ddp, check_comm_prediction, check_sharded_optimizer
 from .ch11 import check_checkpoint_memory, check_tp_linears
-from .ch12 import check_gpipe, check_rank_memory
+from .ch12 import check_gpipe, check_rank_memory, check_resharding
 
 __all__ = [
     "check_train_step",
@@ -56,5 +56,6 @@ __all__ = [
     "check_tp_linears",
     "check_checkpoint_memory",
     "check_gpipe",
+    "check_resharding",
     "check_rank_memory",
 ]

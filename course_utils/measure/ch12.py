@@ -34,7 +34,7 @@ FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
 
 def sim_model(seed: int = 0) -> nn.Sequential:
     """The simulated job's model: an MLP block and a head, 9.4 M parameters (37.7 MB in fp32)."""
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024), nn.GELU(),
                              nn.Linear(1024, 1000))

@@ -7,11 +7,22 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from catalogue import cases  # tests/checkers/catalogue.py, beside this file
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from course_utils.checking import CheckFailed
-from course_utils.checks import check_gpipe, check_rank_memory
-from course_utils.checks.ch12 import a_gpipe, c_memory
+from course_utils.checks import check_gpipe, check_rank_memory, check_resharding
+from course_utils.checks.ch12 import a_gpipe, b_resharding, c_memory
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -359,3 +370,103 @@ def test_memory_names_each_misconception(entry, answer):
 def test_memory_stub_is_not_done_yet():
     with pytest.raises(CheckFailed, match="not done yet"):
         check_rank_memory(memory_stub)
+
+
+# ------------------------------------------------------------------------------------------
+# 12.b resharding
+# ------------------------------------------------------------------------------------------
+
+
+def shard_layers(model):
+    """fully_shard each Linear, then the root, over every rank of the job."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def shard_root(model):
+    """One fully_shard on the whole model (the default mesh: every rank)."""
+    return fully_shard(model)
+
+
+def save_dcp(model, optimizer, path):
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def load_dcp(model, optimizer, path):
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+
+
+def save_async_separately(model, optimizer, path):
+    state = {"weights": get_model_state_dict(model), "adamw": get_optimizer_state_dict(model, optimizer)}
+    dcp.async_save(state, checkpoint_id=path).result()
+
+
+def load_separately(model, optimizer, path):
+    state = {"weights": get_model_state_dict(model), "adamw": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["weights"])
+    set_optimizer_state_dict(model, optimizer, state["adamw"])
+
+
+def save_rank0_torch(model, optimizer, path):
+    """Chapter 06's checkpoint: rank 0 writes one file."""
+    if dist.get_rank() == 0:
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, path)
+
+
+def load_rank0_torch(model, optimizer, path):
+    ckpt = torch.load(path, weights_only=False)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optim"])
+
+
+def load_model_only(model, optimizer, path):
+    msd = get_model_state_dict(model)
+    dcp.load({"model": msd}, checkpoint_id=path)
+    set_model_state_dict(model, msd)
+
+
+def shard_for_two(model):
+    """The mesh of the job that saved the checkpoint."""
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def resharding_stub(model, optimizer=None, path=None):
+    raise NotImplementedError("Exercise 12.b resharding: fill in shard")
+
+
+@pytest.mark.parametrize("answer", [(shard_layers, save_dcp, load_dcp),
+                                    (shard_root, save_async_separately, load_separately)],
+                         ids=["get_state_dict+save", "separate+async_save"])
+def test_resharding_correct_answers_pass(answer, capsys):
+    check_resharding(*answer)
+    assert "[PASS] 12.b" in capsys.readouterr().out
+
+
+WRONG_B = {
+    "saves_on_rank_zero_only": (shard_layers, save_rank0_torch, load_rank0_torch),
+    "loads_without_optimizer": (shard_layers, save_dcp, load_model_only),
+    "model_for_old_world": (shard_for_two, save_dcp, load_dcp),
+}
+
+
+@pytest.mark.parametrize(("entry", "answer"), cases(b_resharding.CATALOGUE, WRONG_B))
+def test_resharding_names_each_misconception(entry, answer):
+    with pytest.raises(CheckFailed) as e:
+        check_resharding(*answer)
+    assert entry.message in str(e.value), str(e.value)
+
+
+def test_resharding_stub_is_not_done_yet():
+    with pytest.raises(CheckFailed, match="not done yet"):
+        check_resharding(resharding_stub, save_dcp, load_dcp)

@@ -96,7 +96,7 @@ _KIND = {"send": "sent", "isend": "sent", "recv": "received", "irecv": "received
 
 def pipeline_model(seed: int = 0, width: int = WIDTH, layers: int = LAYERS) -> nn.Sequential:
     """The model the checker cuts into stages: ``layers`` Linear+Tanh blocks of equal width."""
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         blocks: list[nn.Module] = []
         for _ in range(layers):
@@ -128,7 +128,7 @@ class RecordingStage(nn.Module):
 
 
 def _data(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         return torch.randn(BATCH, WIDTH).to(device), torch.randn(BATCH, WIDTH).to(device)
 
