@@ -470,3 +470,17 @@ def test_resharding_names_each_misconception(entry, answer):
 def test_resharding_stub_is_not_done_yet():
     with pytest.raises(CheckFailed, match="not done yet"):
         check_resharding(resharding_stub, save_dcp, load_dcp)
+
+
+def save_dcp_on_rank0(model, optimizer, path):
+    """DCP, but only rank 0 saves (without the others: no_dist)."""
+    msd, osd = get_state_dict(model, optimizer)
+    if dist.get_rank() == 0:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=True)
+
+
+def test_resharding_sees_a_dcp_checkpoint_of_rank_zero_alone():
+    with pytest.raises(CheckFailed) as e:
+        check_resharding(shard_layers, save_dcp_on_rank0, load_dcp)
+    assert b_resharding.CATALOGUE.hint("saves_on_rank_zero_only") in str(e.value), str(e.value)
+    assert "elements of" in str(e.value), str(e.value)
