@@ -2,7 +2,7 @@
 
 Each exercise's checker module declares one ``Catalogue``; the checker takes its failure messages
 from it (``CATALOGUE.hint("sums_instead_of_averaging")``) and the wrong-answer tests are
-parametrized over it (``tests/checkers/catalogue.py`` refuses a catalogue entry without a wrong
+parametrized over it (``tests/checkers/misconceptions.py`` refuses a catalogue entry without a wrong
 answer, and a wrong answer without an entry), so the two cannot drift apart.
 """
 

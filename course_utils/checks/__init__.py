@@ -11,8 +11,8 @@ from .ch03 import ForbiddenCollective, check_all_reduce_mean, check_ring_all_red
 from .ch04 import check_hand_allreduce, check_mini_ddp
 from .ch05 import check_bucket_sampler
 from .ch06 import check_launch_commands, check_resumable
-from .ch07 import accumulation_verdicts, check_accumulation_step, check_scaled_lr
-from .ch08 import amp_verdicts, check_amp_step, deprecated_amp_calls
+from .ch07 import check_accumulation_step, check_scaled_lr
+from .ch08 import check_amp_step
 from .ch09 import (
     check_checkpoint_collective,
     check_distributed_loader,
@@ -40,10 +40,7 @@ __all__ = [
     "check_resumable",
     "check_accumulation_step",
     "check_scaled_lr",
-    "accumulation_verdicts",
     "check_amp_step",
-    "amp_verdicts",
-    "deprecated_amp_calls",
     "check_checkpoint_collective",
     "check_distributed_loader",
     "check_metrics_sync",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from catalogue import cases  # tests/checkers/catalogue.py, beside this file
+from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
 from torch import nn
 
 from course_utils import CheckFailed

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.nn.functional as F
-from catalogue import cases  # tests/checkers/catalogue.py, beside this file
+from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_dp_step

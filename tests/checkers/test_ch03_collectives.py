@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from catalogue import cases  # tests/checkers/catalogue.py, beside this file
+from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_all_reduce_mean, check_ring_all_reduce

@@ -17,7 +17,7 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
-from catalogue import cases  # tests/checkers/catalogue.py, beside this file
+from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
 from torch import nn
 
 from course_utils.checking import CheckFailed

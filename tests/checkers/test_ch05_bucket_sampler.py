@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from catalogue import cases  # tests/checkers/catalogue.py, beside this file
+from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
 
 from course_utils.checking import CheckFailed
 from course_utils.checks import check_bucket_sampler

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from catalogue import cases  # tests/checkers/catalogue.py, beside this file
+from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
 from torch.distributed.algorithms.join import Join
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 

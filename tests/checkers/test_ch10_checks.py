@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from catalogue import cases  # tests/checkers/catalogue.py, beside this file
+from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
 from torch import nn
 
 from course_utils.checking import CheckFailed

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
-from catalogue import cases  # tests/checkers/catalogue.py, beside this file
+from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
 from torch import nn
 
 from course_utils.checking import CheckFailed

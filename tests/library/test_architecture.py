@@ -173,3 +173,80 @@ def test_the_launcher_package_imports_nothing_of_the_display():
                                                    and "monitor" in a.value.split(".") for a in node.args)):
                 bad.append(f"{mod} line {node.lineno}: names the monitor in a call")
     assert not bad, "the launcher must take its display from its caller:\n" + "\n".join(bad)
+
+
+# ---- The checker skeleton's rules (one shape for every checker) -------------------------------
+
+CHECKER_FILES = sorted(p for p in (PKG / "checks").rglob("*.py")) + sorted((PKG / "checking").rglob("*.py"))
+
+
+def _calls(path: Path, dotted: str) -> list[int]:
+    """Line numbers where ``path`` calls ``dist.X``/``torch.distributed.X`` named by ``dotted``."""
+    tree = ast.parse(path.read_text())
+    name = dotted.rpartition(".")[2]
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and ((isinstance(n.func, ast.Attribute) and n.func.attr == name)
+                 or (isinstance(n.func, ast.Name) and n.func.id == name))]
+
+
+@pytest.mark.parametrize("mod", sorted(MODULES))
+def test_no_module_passes_600_lines(mod):
+    n = len(MODULES[mod].read_text().splitlines())
+    assert n <= 600, f"{MODULES[mod].relative_to(PKG.parent)} has {n} lines: split it by job (600 at most)"
+
+
+def test_at_most_two_checker_files_open_a_process_group():
+    files = [p.relative_to(PKG.parent).as_posix() for p in CHECKER_FILES if _calls(p, "init_process_group")]
+    assert len(files) <= 2, f"these files call init_process_group (use checking.process_group()): {files}"
+
+
+def _assigned_dist_functions(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    out = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AugAssign) else [])
+        for t in targets:
+            if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                    and t.value.id in ("dist", "c10d")):
+                out.append(f"line {node.lineno}: {t.value.id}.{t.attr} = ...")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in ("dist", "c10d")):
+            out.append(f"line {node.lineno}: setattr({node.args[0].id}, ...)")
+    return out
+
+
+def test_only_the_collective_spy_replaces_torch_distributed_functions():
+    patching = {p.relative_to(PKG.parent).as_posix(): _assigned_dist_functions(p)
+                for p in sorted(PKG.rglob("*.py"))}
+    patching = {k: v for k, v in patching.items() if v}
+    assert set(patching) <= {"course_utils/checking/spy.py"}, (
+        f"replace torch.distributed functions only through checking.CollectiveSpy: {patching}")
+
+
+def test_checks_package_lists_its_checkers_with_plain_imports():
+    tree = ast.parse((PKG / "checks" / "__init__.py").read_text())
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert not defined, f"course_utils/checks/__init__.py defines {defined}: it only imports checkers"
+    exported = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    not_checkers = [n for n in exported
+                    if n.startswith(("measure", "fit_", "ring_")) or n.endswith("_verdicts")]
+    assert not not_checkers, f"measurements belong in course_utils.measure, not checks: {not_checkers}"
+
+
+def test_rng_state_is_saved_with_fork_rng_not_by_hand():
+    bad = [f"{p.relative_to(PKG.parent)}:{i}" for p in sorted(PKG.rglob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines(), 1) if "set_rng_state(" in line]
+    assert not bad, f"use torch.random.fork_rng() instead of restoring RNG state by hand: {bad}"
+
+
+def test_fork_rng_names_the_generators_it_forks():
+    """``fork_rng()`` without ``devices=`` forks every GPU's generator, which initialises CUDA on
+    all of them (in the notebook process, before workers fork, that breaks the workers' CUDA)."""
+    bad = []
+    for p in sorted(PKG.rglob("*.py")):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "fork_rng"
+                    and not any(k.arg == "devices" for k in n.keywords)):
+                bad.append(f"{p.relative_to(PKG.parent)}:{n.lineno}")
+    assert not bad, f"pass devices=[] (CPU only) or the rank's GPU to fork_rng: {bad}"
