@@ -11,6 +11,7 @@ One module per job; the public names are re-exported by ``course_utils`` itself
 - ``reports``     worker side of the progress channel (``send_report``, used by ``course_utils.report``)
 - ``entry``       the first code every worker runs (``worker_main``)
 - ``startup``     what a launch prepares first: the fork server, ports, the payload, the workers' environment
+- ``tree``        a worker's process tree: every descendant kept in it (a subreaper), all ended together
 - ``supervisor``  ``launch``: start workers, stream their output, detect failures and hangs, clean up;
                   progress reports go to the display its caller gives (``course_utils.launch`` gives
                   the monitor's)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import io
 import linecache
@@ -19,10 +20,14 @@ import torch
 import torch.distributed as dist
 
 from ..workarounds import apply_all as apply_torch_workarounds
-from . import reports
+from . import reports, tree
 from .errors import RankResult
 
-__all__ = ["worker_main"]
+__all__ = ["worker_main", "SENT", "NOT_SENT"]
+
+# The worker's exit code: its result was sent (0), or sending it failed (the launcher says so).
+SENT = 0
+NOT_SENT = 70
 
 Connection = multiprocessing.connection.Connection
 
@@ -37,6 +42,7 @@ def _die_with_launcher(alive_r: Connection) -> None:
                 pass
         except OSError:
             pass
+        tree.kill_descendants()  # also those that left this group (setsid)
         os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
@@ -76,7 +82,12 @@ def _run(payload: bytes) -> RankResult:
         return RankResult(fn(*args, **kwargs))
     except SystemExit as e:  # sys.exit(0) in a worker counts as success, like under torchrun
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        return RankResult() if code == 0 else RankResult.raised("SystemExit", f"exit code {code}")
+        if code == 0:
+            return RankResult()
+        # sys.exit("message") prints the message and exits with 1: keep both.
+        said = "" if e.code is None or isinstance(e.code, int) else f": {e.code}"
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+        return RankResult.raised("SystemExit", f"exit code {code}{said}", tb)
     except BaseException as e:  # everything must reach the notebook
         # Drop this bootstrap frame: the learner's code starts one level down.
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
@@ -95,6 +106,7 @@ def worker_main(
 ) -> None:
     """Run one rank: set the process up like a ``torchrun`` worker, run the function, send the result."""
     os.setpgid(0, 0)  # own process group: the launcher can kill the worker and its children
+    tree.become_subreaper()  # orphaned descendants (setsid'd ones too) stay in this worker's tree
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook's interrupt is the launcher's job
     _die_with_launcher(alive_r)
     _redirect_output(out_w, err_w)
@@ -112,9 +124,16 @@ def worker_main(
         data = cloudpickle.dumps(RankResult.raised(
             "PicklingError", f"the return value of rank {spec['rank']} cannot be sent back to the "
             f"notebook ({e}); return tensors, numbers, lists or dicts"))
+    code = SENT
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # the function may have closed fd 1 or 2
+                stream.flush()
         result_w.send_bytes(data)
+    except BaseException:
+        code = NOT_SENT
     finally:
-        os._exit(0)
+        try:
+            tree.end_descendants()  # nothing this worker started outlives it
+        finally:
+            os._exit(code)

@@ -96,7 +96,8 @@ class RankFailure:
         if self.kind is FailureKind.EXIT:
             return f"exited with code {self.exitcode}"
         if self.kind is FailureKind.TIMEOUT:
-            return "still running when the launch timed out"
+            return "stopped (state T) when the launch timed out" if self.message else \
+                "still running when the launch timed out"
         return self.message or "stopped"
 
     @property
@@ -115,8 +116,11 @@ class RankFailure:
                 " (out of memory? the kernel's OOM killer sends SIGKILL)" if name == "SIGKILL" else ""
             )
         if self.kind is FailureKind.EXIT:
-            return f"rank {self.rank} exited with code {self.exitcode} without returning a result"
+            why = f": {self.message}" if self.message else ""
+            return f"rank {self.rank} exited with code {self.exitcode} without returning a result{why}"
         if self.kind is FailureKind.TIMEOUT:
+            if self.message:  # why no stack could be collected
+                return f"rank {self.rank} was still running, but {self.message}"
             where = indent(self.stack) if self.stack else "  (no Python stack could be collected)"
             return f"rank {self.rank} was still running; it was stuck here:\n{where}"
         return f"rank {self.rank} was stopped by the launcher ({self.message})"

@@ -27,8 +27,22 @@ How it works, in the order things happen:
    seconds after every rank has started the function (starting a worker, which may import
    modules, is not counted, up to ``STARTUP_GRACE`` seconds), the stuck ranks' Python stacks are
    collected (``faulthandler``) and they are killed.
-5. **Clean-up.** Each worker runs in its own process group and watches a pipe from the launcher: if
-   the launcher (the notebook kernel) dies, the pipe closes and the worker kills its whole group.
+5. **Clean-up.** Each worker runs in its own process group and is a child subreaper (``tree``):
+   every process it starts, at any depth, stays in its process tree, also one that called
+   ``setsid()`` or lost its parent.  What is guaranteed on Linux:
+
+   - a worker whose function returned, raised or called ``sys.exit`` ends every process it started
+     (SIGTERM, ``tree.GRACE`` seconds, SIGKILL) after sending its result and before it exits;
+   - a worker the launcher stops (another rank failed, a timeout, an interrupt) is frozen with its
+     whole tree (SIGSTOP, so nothing forks meanwhile) and SIGKILLed with it; a stopped (SIGSTOP)
+     worker is killed like any other;
+   - if the launcher (the notebook kernel) dies, a pipe closes and each worker's watchdog thread
+     kills its descendants and its group (not while the worker itself is stopped: its thread
+     cannot run then);
+   - not covered: a descendant of a worker that died of its own SIGKILL (its orphans go to init),
+     and a process that moved itself out of reach (another user, a ``PR_SET_CHILD_SUBREAPER``
+     of its own).
+
    On any exit from ``launch`` (success, failure, KeyboardInterrupt) every worker is reaped and
    every pipe and the store's socket are closed.
 """
@@ -37,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import pickle
 import selectors
@@ -48,7 +63,8 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from .entry import worker_main
+from . import tree
+from .entry import NOT_SENT, worker_main
 from .errors import FailureKind, RankFailure, RankResult, WorkerError, WorkerTimeout
 from .lines import LineSplitter
 from .reports import STARTED, decode_frames
@@ -106,6 +122,9 @@ class _Rank:
         if code == 0:  # os._exit(0) before returning: treat as "returned None", as torchrun would
             self.result = RankResult()
             return None
+        if code == NOT_SENT:
+            return RankFailure(self.rank, FailureKind.EXIT, exitcode=code,
+                               message="its function finished, but its result could not be sent back")
         return RankFailure(self.rank, FailureKind.EXIT, exitcode=code)
 
 
@@ -179,6 +198,9 @@ def launch(
         raise TypeError(f"launch() needs a function to run, got {type(fn).__name__}")
     if nprocs < 1 or nnodes < 1:
         raise ValueError("nprocs and nnodes must be at least 1")
+    _check_seconds("timeout", timeout)
+    if finish_within is not None:
+        _check_seconds("finish_within", finish_within)
     try:
         payload = dumps_payload((fn, tuple(args), dict(kwargs or {})))
     except Exception as e:
@@ -233,6 +255,13 @@ def launch(
     finally:
         _shutdown(ranks, sel, alive_writers)
         del store
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    """A time limit is a finite number of seconds above 0 (a bool, NaN or infinity is not)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"launch({name}=...) takes a number of seconds above 0, got {value!r}")
 
 
 STARTUP_GRACE = 60.0  # seconds a worker may take to start its function, beyond ``timeout``
@@ -417,8 +446,14 @@ class _Supervisor:
                     self._handle(rr, name, key.fd)
             if all(r.stack.count(b"\n") >= 2 for r in stuck) and time.monotonic() > end - 1.0:
                 break
-        stacks = {r.rank: tidy_stack(r.stack.decode(errors="replace")) for r in stuck}
-        return {rank: RankFailure(rank, FailureKind.TIMEOUT, stack=stack) for rank, stack in stacks.items()}
+        return {r.rank: RankFailure(r.rank, FailureKind.TIMEOUT, 
+                                    stack=tidy_stack(r.stack.decode(errors="replace")),
+                                    message=_STOPPED if tree.state(r.proc.pid) == "T" else "")
+                for r in stuck}
+
+
+_STOPPED = ("it was stopped by a signal (state T: SIGSTOP, SIGTSTP, or a debugger), so it could "
+            "neither run nor dump its stack; the launcher killed it")
 
 
 def _emit(rank: int, name: str, lines: list[str]) -> None:
@@ -433,6 +468,7 @@ def _emit(rank: int, name: str, lines: list[str]) -> None:
 def _kill_all(ranks: list[_Rank]) -> None:
     for r in ranks:
         if r.proc.exitcode is None:
+            tree.kill_tree(r.proc.pid)  # the worker and every descendant, setsid'd ones included
             try:
                 os.killpg(r.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

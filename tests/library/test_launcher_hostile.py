@@ -1,0 +1,146 @@
+"""The launcher against workers that misbehave on purpose: each promise provoked for real.
+
+A worker that loses its output, exits with a message, starts processes that ignore SIGTERM or
+leave its session, or stops itself: ``launch`` still reports what happened, and nothing the
+launch started is left running once it returns or raises.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from course_utils import WorkerError, WorkerTimeout, launch
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(pids: list[int], limit: float = 5.0) -> None:
+    deadline = time.monotonic() + limit
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if not _gone(p)]}"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- output lost, exit with a message
+
+
+def _closes_its_output() -> int:
+    sys.stdout.write("no newline, and then no stdout at all")
+    os.close(1)
+    os.close(2)
+    return 42
+
+
+def test_a_worker_that_closed_stdout_and_stderr_still_returns_its_result():
+    assert launch(_closes_its_output, 2, timeout=30) == [42, 42]
+
+
+def _closes_every_descriptor() -> int:
+    os.closerange(0, 65536)  # the result pipe too: the result cannot arrive
+    return 42
+
+
+def test_a_worker_that_cannot_send_its_result_fails_instead_of_returning_none():
+    with pytest.raises(WorkerError) as ei:
+        launch(_closes_every_descriptor, 1, timeout=30)
+    assert ei.value.failed_ranks == [0], ei.value
+
+
+def test_sys_exit_keeps_its_message_and_its_code():
+    with pytest.raises(WorkerError) as ei:
+        launch(sys.exit, 1, args=("the data folder is missing",), timeout=30)
+    assert "rank 0 raised SystemExit: exit code 1: the data folder is missing" in str(ei.value)
+    with pytest.raises(WorkerError, match="rank 0 raised SystemExit: exit code 3\n"):
+        launch(sys.exit, 1, args=(3,), timeout=30)
+    assert launch(sys.exit, 1, args=(0,)) == [None]  # success, as under torchrun
+
+
+@pytest.mark.parametrize("name", ["timeout", "finish_within"])
+@pytest.mark.parametrize("bad", [-1, 0, math.nan, math.inf, -math.inf, "5", True])
+def test_invalid_time_limits_are_refused_before_anything_starts(tmp_path, name, bad):
+    marker = tmp_path / "ran"
+    with pytest.raises(ValueError, match=f"{name}=.*seconds above 0"):
+        launch(marker.touch, 1, **{name: bad})
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- descendants of a worker
+
+
+def _start_a_stubborn_grandchild(path: str, leave_session: bool) -> int:
+    """Daemonise (fork twice) a process that ignores SIGTERM; it writes its pid to ``path``."""
+    pid = os.fork()
+    if pid == 0:  # the intermediate child
+        try:
+            if leave_session:
+                os.setsid()
+            if os.fork() == 0:  # the grandchild: its parent exits at once, it is an orphan
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                Path(path + ".tmp").write_text(str(os.getpid()))
+                os.rename(path + ".tmp", path)
+                time.sleep(120)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    deadline = time.monotonic() + 20
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return int(Path(path).read_text())
+
+
+def _worker_with_grandchild(folder: str, leave_session: bool, end: str) -> int:
+    pid = _start_a_stubborn_grandchild(f"{folder}/{os.environ['RANK']}", leave_session)
+    if end == "raise":
+        raise RuntimeError("failing on purpose")
+    if end == "hang":
+        time.sleep(120)
+    return pid
+
+
+@pytest.mark.parametrize("leave_session", [False, True], ids=["same-session", "setsid"])
+@pytest.mark.parametrize("end", ["return", "raise", "hang"])
+def test_no_grandchild_survives_its_worker(tmp_path, leave_session, end):
+    t0 = time.monotonic()
+    if end == "return":
+        launch(_worker_with_grandchild, 2, args=(str(tmp_path), leave_session, end), timeout=30)
+    else:
+        with pytest.raises(WorkerTimeout if end == "hang" else WorkerError):
+            launch(_worker_with_grandchild, 2, args=(str(tmp_path), leave_session, end), timeout=2)
+    assert time.monotonic() - t0 < 20
+    pids = [int((tmp_path / str(r)).read_text()) for r in (0, 1)]
+    _wait_gone(pids)
+
+
+# ---------------------------------------------------------------- a worker that stops itself
+
+
+def test_a_worker_that_stopped_itself_is_reported_as_stopped_and_killed(tmp_path):
+    def work(folder):
+        Path(folder, os.environ["RANK"]).write_text(str(os.getpid()))
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(120)
+
+    with pytest.raises(WorkerTimeout) as ei:
+        launch(work, 2, args=(str(tmp_path),), timeout=2)
+    stopped, running = ei.value.failures[1], ei.value.failures[0]
+    assert "state T" in stopped.message and "stopped by a signal" in str(ei.value)
+    assert "rank 1 was still running, but it was stopped by a signal" in str(ei.value)
+    assert not running.message and "in work" in running.stack
+    _wait_gone([int((tmp_path / r).read_text()) for r in ("0", "1")])
