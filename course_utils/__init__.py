@@ -26,15 +26,27 @@ The maintainers' tools are not part of it: ``tools/`` beside it holds the exerci
 (``make exercises``) and the GPU check (``make gpu-check``), ``benchmarks/`` the measurement scripts.
 """
 
-from .checking import CheckFailed
-from .devices import backend_and_device, choose_backend
-from .launching import launch
-from .monitor import report
-from .progress import show as show_progress
-from .workers.commands import CommandFailed, CommandResult, run_commands
-from .workers.errors import RankFailure, WorkerError, WorkerTimeout
-from .workers.prewarm import start_in_background as _prewarm
-from .workers.startup import free_port
+import importlib.util as _util
+import sys as _sys
+
+# Without these, only the doctor runs (`python -m course_utils.doctor` says what to install and how).
+_MISSING = [m for m in ("torch", "numpy", "cloudpickle", "psutil") if _util.find_spec(m) is None]
+if _MISSING:
+    def __getattr__(name: str):
+        if name not in __all__:
+            raise AttributeError(f"module 'course_utils' has no attribute {name!r}")
+        raise ImportError(f"course_utils needs {', '.join(_MISSING)}, which {_sys.executable} does not "
+                          "have: `python -m course_utils.doctor` says how to fix it")
+else:
+    from .checking import CheckFailed
+    from .devices import backend_and_device, choose_backend
+    from .launching import launch
+    from .monitor import report
+    from .progress import show as show_progress
+    from .workers.commands import CommandFailed, CommandResult, run_commands
+    from .workers.errors import RankFailure, WorkerError, WorkerTimeout
+    from .workers.prewarm import start_in_background as _prewarm
+    from .workers.startup import free_port
 
 __all__ = [
     "launch",
@@ -54,4 +66,5 @@ __all__ = [
 
 # In a notebook kernel, start the fork server now, in the background: the first launch is then as
 # quick as the following ones (see workers/prewarm.py; elsewhere this does nothing).
-_prewarm()
+if not _MISSING:
+    _prewarm()
