@@ -7,10 +7,12 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from .room import room, room_table
-from .table import rows, show
+from .store import ProgressWarning
+from .table import rows, table
 
 __all__ = ["main"]
 
@@ -26,16 +28,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: one table for a whole room, from every learner's progress file "
                         "collected in DIR (<learner>.json, or <learner>/progress.json)")
     args = parser.parse_args(argv)
-    if args.room:
-        if args.json:
-            json.dump(dataclasses.asdict(room(args.room)), sys.stdout, indent=1)
-            print()
+    # A damaged or odd file is a warning, printed as one line before the table: never a traceback.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ProgressWarning)
+        if args.room:
+            out = (json.dumps(dataclasses.asdict(room(args.room)), indent=1) if args.json
+                   else room_table(args.room))
+        elif args.json:
+            out = json.dumps([dataclasses.asdict(r) for r in rows(args.file)], indent=1)
         else:
-            print(room_table(args.room))
+            out = table(args.file)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    print(out)
+    if args.room:
         return 0 if Path(args.room).is_dir() else 2
-    if args.json:
-        json.dump([dataclasses.asdict(r) for r in rows(args.file)], sys.stdout, indent=1)
-        print()
-    else:
-        show(args.file)
     return 0

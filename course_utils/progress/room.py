@@ -3,22 +3,22 @@
 ``python -m course_utils.progress --room DIR`` prints one row per exercise (how many learners
 passed, failed, did not try it) and one per learner.  A learner is a ``*.json`` file in the folder
 (``<learner>.json``) or a subfolder holding ``progress.json``; anything else is named, with the
-reason, and skipped: nothing a folder holds makes the report fail.
+reason, and skipped: nothing a folder holds makes the report fail.  Only regular files are opened
+(never a FIFO or a device), none larger than ``MAX_FILE_BYTES``, and a symbolic link is followed
+only to a file inside the folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import stat
+import os
 from pathlib import Path
 
 from .course import all_exercises, chapter_heading, chapter_of, chapter_titles
-from .store import SCHEMA, parse, status
+from .store import MAX_FILE_BYTES, SCHEMA, Refused, parse, read_bytes, status
 
 __all__ = ["Learner", "Room", "room", "room_table", "MAX_FILE_BYTES"]
-
-MAX_FILE_BYTES = 5 * 2**20  # a progress file is a few KiB; anything this large is something else
 
 
 @dataclasses.dataclass
@@ -46,19 +46,13 @@ def _printable(text: str, limit: int = 60) -> str:
 def _read_learner(path: Path, rel: str) -> tuple[Learner | None, str]:
     """(learner, "") for a progress file; (None, why not) for anything else."""
     try:
-        st = path.stat()
-    except OSError as e:
+        raw = read_bytes(path, follow=False)
+    except FileNotFoundError as e:
         return None, f"cannot be read ({e.strerror or e})"
-    if not stat.S_ISREG(st.st_mode):
-        return None, "not a regular file"
-    if st.st_size == 0:
+    except Refused as e:
+        return None, str(e)
+    if not raw:
         return None, "empty file"
-    if st.st_size > MAX_FILE_BYTES:
-        return None, f"too large for a progress file ({st.st_size / 2**20:.0f} MiB)"
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        return None, f"cannot be read ({e.strerror or e})"
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -67,6 +61,8 @@ def _read_learner(path: Path, rel: str) -> tuple[Learner | None, str]:
         doc = json.loads(text)
     except ValueError as e:
         return None, f"not valid JSON ({e})"
+    except RecursionError:
+        return None, "not a progress file (JSON nested too deeply to read)"
     if not isinstance(doc, dict) or not isinstance(doc.get("exercises"), dict):
         return None, 'JSON, but not a progress file (no "exercises" table)'
     if doc.get("schema", SCHEMA) != SCHEMA:
@@ -74,7 +70,7 @@ def _read_learner(path: Path, rel: str) -> tuple[Learner | None, str]:
     data, problem = parse(text)
     name = doc.get("learner")
     if not isinstance(name, str) or not name.strip():
-        name = Path(rel).parent.name if path.name == "progress.json" and "/" in rel else path.stem
+        name = Path(rel).parent.name if Path(rel).name == "progress.json" and "/" in rel else Path(rel).stem
     return Learner(_printable(name.strip()), rel, data["exercises"], problem), ""
 
 
@@ -92,23 +88,38 @@ def room(folder: Path | str, *, checks_dir: Path | str | None = None) -> Room:
         entries = sorted(folder.iterdir(), key=lambda p: p.name)
     except OSError as e:
         return Room(str(folder), [], [(str(folder), f"cannot list the folder ({e.strerror or e})")], [])
+    base = os.path.realpath(folder)
+
+    def inside(p: Path) -> Path | None:
+        """Where ``p`` leads, with its links resolved, when that is inside the folder."""
+        real = os.path.realpath(p)
+        return Path(real) if os.path.commonpath([base, real]) == base and real != base else None
+
     for entry in entries:
         rel = _printable(entry.name, 200)
+        target = inside(entry)
+        if target is None:
+            skipped.append((rel, "a link to outside the folder (not followed)"))
+            continue
         try:
-            is_dir = entry.is_dir()
+            is_dir = target.is_dir()
         except OSError:
             is_dir = False
         if is_dir:
             inner = entry / "progress.json"
             try:
-                has_file = inner.exists()
+                has_file = os.path.lexists(inner)
             except OSError:
                 has_file = False
             if not has_file:
                 skipped.append((rel + "/", "a folder without a progress.json"))
                 continue
-            entry, rel = inner, f"{rel}/progress.json"
-        learner, why = _read_learner(entry, rel)
+            rel = f"{rel}/progress.json"
+            target = inside(inner)
+            if target is None:
+                skipped.append((rel, "a link to outside the folder (not followed)"))
+                continue
+        learner, why = _read_learner(target, rel)
         if learner is None:
             skipped.append((rel, why))
         else:

@@ -4,8 +4,10 @@ The file is ``{"schema": 1, "exercises": {name: entry}}``, one entry per exercis
 passes, the last result, when it was first tried, last tried and first passed).  Every update
 takes an exclusive lock (``fcntl.flock`` on ``progress.json.lock``), reads the file, changes it and
 replaces it atomically (a temporary file and ``os.replace``): several kernels may record at the
-same time, no update is lost and no reader sees half a file.  A damaged file is set aside and
-rebuilt; nothing here ever raises into a checker.
+same time, no update is lost and no reader sees half a file.  A damaged file (not JSON, not text,
+nested too deeply, larger than ``MAX_FILE_BYTES``) is set aside and rebuilt; something that is not
+a regular file (a FIFO, a folder, a device) is never opened, only named in a warning; nothing
+here ever raises into a checker.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import tempfile
 import time
 import warnings
@@ -25,11 +28,12 @@ from typing import Any
 
 from .course import PACKAGE
 
-__all__ = ["SCHEMA", "LOCK_TIMEOUT_S", "ProgressWarning", "course_root", "progress_file",
-           "recording_enabled", "empty", "parse", "load", "record", "status"]
+__all__ = ["SCHEMA", "LOCK_TIMEOUT_S", "MAX_FILE_BYTES", "ProgressWarning", "Refused", "course_root",
+           "progress_file", "recording_enabled", "empty", "parse", "read_bytes", "load", "record", "status"]
 
 SCHEMA = 1
 LOCK_TIMEOUT_S = 10.0
+MAX_FILE_BYTES = 5 * 2**20  # a progress file is a few KiB; anything this large is something else
 
 
 class ProgressWarning(UserWarning):
@@ -37,7 +41,8 @@ class ProgressWarning(UserWarning):
 
 
 def _warn(msg: str) -> None:
-    warnings.warn(msg, ProgressWarning, stacklevel=3)
+    """One line, ``<course_utils.progress>:0: ProgressWarning: <msg>``: no source line under it."""
+    warnings.warn_explicit(msg, ProgressWarning, "<course_utils.progress>", 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,6 +121,8 @@ def parse(text: str) -> tuple[dict, str]:
         raw = json.loads(text)
     except ValueError as e:
         return empty(), f"it is not valid JSON ({e})"
+    except RecursionError:
+        return empty(), "it is not a progress file (its JSON is nested too deeply to read)"
     if not isinstance(raw, dict) or not isinstance(raw.get("exercises"), dict):
         return empty(), "it does not hold an \"exercises\" table"
     data = empty()
@@ -131,22 +138,85 @@ def parse(text: str) -> tuple[dict, str]:
     return data, ""
 
 
+class Refused(Exception):
+    """A file that is not read: ``str()`` says why; ``damaged`` when it may be set aside and rebuilt."""
+
+    def __init__(self, why: str, damaged: bool = False):
+        super().__init__(why)
+        self.damaged = damaged
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+
+
+def _check_regular(st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "something else")
+        raise Refused(f"not a regular file ({kind})")
+    if st.st_size > MAX_FILE_BYTES:
+        raise Refused(f"too large for a progress file ({st.st_size / 2**20:.0f} MiB; the limit is "
+                      f"{MAX_FILE_BYTES / 2**20:.0f} MiB)", damaged=True)
+
+
+def read_bytes(path: Path | str, *, follow: bool = True) -> bytes:
+    """The content of a regular file of at most ``MAX_FILE_BYTES``; ``Refused`` for anything else.
+
+    Nothing but a regular file is opened (so a FIFO or a device never blocks the reader), the open
+    itself does not block (``O_NONBLOCK``), and with ``follow=False`` a symbolic link is refused
+    (``O_NOFOLLOW``).  A missing file raises ``FileNotFoundError``.
+    """
+    try:
+        _check_regular(os.stat(path) if follow else os.lstat(path))
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+        fd = os.open(path, flags)
+    except (FileNotFoundError, Refused):
+        raise
+    except OSError as e:
+        raise Refused(f"cannot be read ({e.strerror or e})") from None
+    try:
+        _check_regular(os.fstat(fd))  # the file opened is the one checked
+        chunks, size = [], 0
+        while size <= MAX_FILE_BYTES:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+        raise Refused(f"too large for a progress file (over {MAX_FILE_BYTES / 2**20:.0f} MiB)",
+                      damaged=True)
+    except OSError as e:
+        raise Refused(f"cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+
+
+def _read_text(path: Path) -> tuple[dict, str]:
+    """(data, problem) for a file that exists and can be read; ``Refused``/``FileNotFoundError`` else."""
+    try:
+        return parse(read_bytes(path).decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return empty(), f"it is not text ({e})"
+
+
 def load(path: Path | str | None = None, *, quiet: bool = False) -> dict:
     """The recorded results (``{"schema": 1, "exercises": {name: entry}}``), never raising.
 
     A missing file reads as empty; a corrupt one as empty (or its readable entries) with a
-    warning.  Only ``record`` rewrites the file.
+    warning, as does anything that is not a regular file (which is never opened).  Only
+    ``record`` rewrites the file.
     """
     path = Path(path) if path is not None else progress_file()
     try:
-        text = path.read_text(encoding="utf-8")
+        data, problem = _read_text(path)
     except FileNotFoundError:
         return empty()
-    except (OSError, UnicodeDecodeError) as e:
+    except Refused as e:
         if not quiet:
-            _warn(f"cannot read the progress file {path} ({e}); showing no results")
+            todo = ("it will be set aside and rebuilt the next time a checker runs" if e.damaged
+                    else "rename or remove it, so that the next checker can start a new one")
+            _warn(f"the progress file {path} is {e}; showing no results: {todo}.")
         return empty()
-    data, problem = parse(text)
     if problem and not quiet:
         _warn(f"the progress file {path} is damaged: {problem}. It will be rebuilt the next time "
               "a checker runs.")
@@ -158,8 +228,10 @@ def _locked(path: Path) -> Iterator[bool]:
     """Hold an exclusive lock on ``<path>.lock``; yields False if it could not be had in time."""
 
     lock_path = path.with_name(path.name + ".lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"its lock {lock_path.name} is not a regular file")
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
             try:
@@ -196,24 +268,42 @@ def _atomic_write(path: Path, data: dict) -> None:
         raise
 
 
-def _read_for_update(path: Path) -> dict:
-    """Current data, under the lock; a damaged file is set aside and rebuilt, with a warning."""
+def _backup_name(path: Path) -> Path:
+    """``progress.json.corrupt-<time>``, with a number added when that name is taken."""
+    stem = f"{path.name}.corrupt-{_dt.datetime.now():%Y%m%d-%H%M%S}"
+    backup, n = path.with_name(stem), 1
+    while os.path.lexists(backup):
+        n += 1
+        backup = path.with_name(f"{stem}-{n}")
+    return backup
+
+
+def _read_for_update(path: Path, exercise: str) -> dict | None:
+    """Current data, under the lock; a damaged file is set aside and rebuilt, with a warning.
+
+    None (after a warning) when the result must not be recorded: the path holds something that is
+    not a regular file, or a file that cannot be read or set aside."""
     try:
-        text = path.read_text(encoding="utf-8")
+        data, problem = _read_text(path)
     except FileNotFoundError:
         # The lock file is created by the first recorded result: if it exists, so did the file.
         if path.with_name(path.name + ".lock").stat().st_size > 0:
             _warn(f"the progress file {path} was missing; starting a new one")
         return empty()
-    except UnicodeDecodeError as e:
-        text, problem = "", f"it is not text ({e})"
-        data = empty()
-    else:
-        data, problem = parse(text)
+    except Refused as e:
+        if not e.damaged:
+            _warn(f"the progress file {path} is {e}: the result of {exercise} was not recorded; "
+                  "rename or remove it, so that a new one can be started.")
+            return None
+        data, problem = empty(), f"it is {e}"
     if problem:
-        backup = path.with_name(f"{path.name}.corrupt-{_dt.datetime.now():%Y%m%d-%H%M%S}")
-        with contextlib.suppress(OSError):
-            os.replace(path, backup)
+        backup = _backup_name(path)
+        try:
+            os.rename(path, backup)
+        except OSError as e:
+            _warn(f"the progress file {path} is damaged: {problem}; it could not be set aside "
+                  f"({e.strerror or e}), so the result of {exercise} was not recorded.")
+            return None
         kept = len(data["exercises"])
         _warn(f"the progress file {path} was damaged: {problem}. It was rebuilt"
               + (f" keeping {kept} readable result(s)" if kept else "")
@@ -235,7 +325,9 @@ def record(exercise: str, passed: bool, *, path: Path | str | None = None) -> No
                 _warn(f"the progress file {path} stayed locked for {LOCK_TIMEOUT_S:g} s; "
                       f"the result of {exercise} was not recorded")
                 return
-            data = _read_for_update(path)
+            data = _read_for_update(path, exercise)
+            if data is None:
+                return
             now = _now()
             entry = data["exercises"].setdefault(exercise, {
                 "tries": 0, "passes": 0, "last_result": None, "first_tried": now,
@@ -253,6 +345,8 @@ def record(exercise: str, passed: bool, *, path: Path | str | None = None) -> No
                 lock.write_text("progress.json lock\n")
     except OSError as e:
         _warn(f"could not record the result of {exercise} in {path}: {e}")
+    except Exception as e:  # a checker's result never fails, nor vanishes without a word
+        _warn(f"could not record the result of {exercise} in {path}: {type(e).__name__}: {e}")
 
 
 def status(entry: dict | None) -> str:

@@ -119,14 +119,14 @@ def test_room_counts_each_exercise_and_each_learner(room_dir, checks_dir):
 
 
 def test_an_unreadable_file_is_named_not_raised(room_dir, checks_dir, monkeypatch):
-    real = Path.read_bytes
+    real = os.open
 
-    def read_bytes(self):
-        if self.name == "alice.json":
+    def open_(path, *args, **kwargs):  # the open as an unprivileged user sees it (root reads anything)
+        if Path(path).name == "alice.json":
             raise PermissionError(13, "Permission denied")
-        return real(self)
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(os, "open", open_)
     r = progress.room(room_dir, checks_dir=checks_dir)
     assert "alice" not in [lr.name for lr in r.learners]
     assert dict(r.skipped)["alice.json"] == "cannot be read (Permission denied)"
@@ -158,3 +158,64 @@ def test_command_line(room_dir):
     p = subprocess.run(cmd + [str(room_dir / "nope")], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "cannot list the folder" in p.stdout
     assert "Traceback" not in p.stderr
+
+
+@pytest.fixture
+def hostile_room(tmp_path):
+    """One good learner among files made to break a reader, and links leading out of the folder."""
+    d = tmp_path / "hostile"
+    d.mkdir()
+    (d / "alice.json").write_text(progress_doc({"01.a training step": entry(1, 1)}))
+    (d / "deep.json").write_text("[" * 200_000)
+    with open(d / "huge.json", "wb") as f:  # sparse: 50 MB long, no disk used
+        f.truncate(50 * 2**20)
+    os.mkfifo(d / "fifo.json")
+    (d / "folder.json").mkdir()
+    secret = tmp_path / "outside"
+    secret.mkdir()
+    (secret / "progress.json").write_text(progress_doc({"01.a training step": entry(1, 1)},
+                                                       learner="mallory"))
+    (d / "out.json").symlink_to(secret / "progress.json")
+    (d / "outdir").symlink_to(secret)
+    (d / "erin").mkdir()
+    (d / "erin" / "progress.json").symlink_to(secret / "progress.json")
+    (d / "alias.json").symlink_to(d / "alice.json")  # inside the folder: followed
+    return d
+
+
+HOSTILE_SKIPS = {
+    "deep.json": "not a progress file (JSON nested too deeply to read)",
+    "huge.json": "too large for a progress file (50 MiB",
+    "fifo.json": "not a regular file (a FIFO)",
+    "folder.json/": "a folder without a progress.json",
+    "out.json": "a link to outside the folder (not followed)",
+    "outdir": "a link to outside the folder (not followed)",
+    "erin/progress.json": "a link to outside the folder (not followed)",
+}
+
+
+@pytest.mark.timeout(20)
+def test_hostile_files_are_named_and_the_others_still_counted(hostile_room, checks_dir):
+    r = progress.room(hostile_room, checks_dir=checks_dir)
+    assert [lr.name for lr in r.learners] == ["alias", "alice"]
+    skipped = dict(r.skipped)
+    assert set(skipped) == set(HOSTILE_SKIPS)
+    for name, why in HOSTILE_SKIPS.items():
+        assert skipped[name].startswith(why), (name, skipped[name])
+    assert "mallory" not in progress.room_table(hostile_room, checks_dir=checks_dir)
+
+
+def test_hostile_files_through_the_command_line(hostile_room):
+    p = subprocess.run([sys.executable, "-m", "course_utils.progress", "--room", str(hostile_room)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.stdout.startswith(f"Room progress: 2 learners in {hostile_room}")
+    for name, why in HOSTILE_SKIPS.items():
+        assert f"  {name}: {why}" in p.stdout
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="runs as root, whom file permissions do not stop")
+def test_a_file_without_read_permission_is_named(room_dir, checks_dir):
+    (room_dir / "alice.json").chmod(0)
+    r = progress.room(room_dir, checks_dir=checks_dir)
+    assert dict(r.skipped)["alice.json"] == "cannot be read (Permission denied)"
