@@ -2,9 +2,19 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# The torch the course is tested with. On Linux x86_64 PyPI serves its CUDA build, which runs on
-# CPU too; another build (CPU-only, another CUDA) is one TORCH_SPEC away (README, "GPU machines").
+# The torch the course is tested with, and where it comes from. tools/which_torch.py chooses
+# (`make which-torch` prints its choice and why): PyTorch's CPU build on a Linux x86_64 machine
+# without an NVIDIA GPU, else PyPI's build (CUDA on Linux x86_64). TORCH_SPEC="..." is installed as
+# written instead; TORCH_INDEX=<url> takes torch from that index, TORCH_INDEX= (empty) from pip's
+# configured one (README, "GPU machines").
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= auto
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+WHICH_TORCH = tools/which_torch.py --spec "$(TORCH_SPEC)" $(if $(filter file,$(origin TORCH_SPEC)),,--spec-given) \
+	--index "$(TORCH_INDEX)" --cpu-index "$(TORCH_CPU_INDEX)" $(if $(WHEELS),--no-index)
+# The course's Python when .venv exists, else the machine's: `make doctor` and `make which-torch`
+# need nothing installed.
+COURSE_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 # Parallel test processes (pytest-xdist); the suite is sized for 2 cores.
 JOBS ?= 2
 # Jupyter refuses to run as root (containers, cloud VMs) unless told that it is intended.
@@ -15,15 +25,26 @@ WHEELHOUSE ?= wheels
 WHEELS ?=
 PIP_OFFLINE := $(if $(WHEELS),PIP_NO_INDEX=1 PIP_FIND_LINKS="$(abspath $(WHEELS))",)
 
-.PHONY: lab test wheelhouse lint exercises notebooks doctor bench clean
+.PHONY: lab test wheelhouse lint exercises notebooks doctor which-torch bench clean
 
-$(BIN)/.installed: pyproject.toml
+# The environment in three steps: .venv with torch (the build tools/which_torch.py chooses), then
+# the course with what it needs (`make lab`), or with the test tools too (`make test`, one install).
+$(BIN)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_OFFLINE) $(BIN)/pip install --quiet --upgrade pip
-	$(PIP_OFFLINE) $(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(PIP_OFFLINE) $(BIN)/pip install --quiet -e ".[test]"
+	$(PIP_OFFLINE) $(BIN)/pip install --quiet $$($(BIN)/python $(WHICH_TORCH) --pip-args)
+	touch $@
+
+$(BIN)/.installed: $(BIN)/.torch pyproject.toml
+	$(PIP_OFFLINE) $(BIN)/pip install --quiet -e .
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
+
+# The learner's install and pyproject's `test` extra (pytest, nbval, ruff, playwright...).
+$(BIN)/.installed-test: $(BIN)/.torch pyproject.toml
+	$(PIP_OFFLINE) $(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(BIN)/.installed $@
 
 # Every package `make lab` and `make test` install, for one platform and Python (this machine's),
 # plus pip and setuptools (the editable install builds with setuptools).
@@ -36,7 +57,7 @@ lab: $(BIN)/.installed
 	$(BIN)/jupyter lab $(LAB_FLAGS) --notebook-dir=. notebooks/00_setup.ipynb
 
 # Ruff over the package, tests, benchmarks, tools, scripts and the notebooks' code (rules in pyproject.toml).
-lint: $(BIN)/.installed
+lint: $(BIN)/.installed-test
 	$(BIN)/ruff check .
 
 # Solutions that tests/system/test_three_learners.py executes at the same time, as three learners would,
@@ -66,8 +87,12 @@ notebooks: $(BIN)/.installed
 	$(BIN)/python benchmarks/chapter_table.py --write
 	$(BIN)/python tools/exercises.py
 
-doctor: $(BIN)/.installed
-	$(BIN)/python -m course_utils.doctor
+# Works before `make lab` too: it then says what is missing and how to install it.
+doctor:
+	$(COURSE_PYTHON) -m course_utils.doctor
+
+which-torch:
+	@$(COURSE_PYTHON) $(WHICH_TORCH)
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/launch_overhead.py
