@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -144,3 +145,27 @@ def test_a_worker_that_stopped_itself_is_reported_as_stopped_and_killed(tmp_path
     assert "rank 1 was still running, but it was stopped by a signal" in str(ei.value)
     assert not running.message and "in work" in running.stack
     _wait_gone([int((tmp_path / r).read_text()) for r in ("0", "1")])
+
+
+_DRIVER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from test_launcher_hostile import _worker_with_grandchild
+from course_utils import launch
+launch(_worker_with_grandchild, 2, args=(sys.argv[1], True, "hang"), timeout=300)
+"""
+
+
+def test_no_grandchild_survives_the_death_of_the_kernel(tmp_path):
+    """The kernel is SIGKILLed: each worker's watchdog ends its setsid'd grandchild, then itself."""
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, str(tmp_path), str(Path(__file__).parent)])
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / r).exists() for r in ("0", "1")):
+            assert time.monotonic() < deadline and driver.poll() is None, "workers never started"
+            time.sleep(0.05)
+        pids = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+    finally:
+        driver.kill()
+        driver.wait()
+    _wait_gone(pids, limit=10)
