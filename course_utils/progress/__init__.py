@@ -17,14 +17,16 @@ never passed.
 Several kernels may run checkers at the same time: each update takes an exclusive lock
 (``fcntl.flock`` on ``progress.json.lock``), reads the file, changes it and replaces it atomically
 (a temporary file and ``os.replace``), so no update is lost and no reader sees half a file.
-A corrupt file is kept aside as ``progress.json.corrupt-<time>`` and rebuilt, with a warning; a
-missing folder is created; nothing here ever makes a checker fail.
+A corrupt file (not JSON, not text, nested too deeply, over 5 MiB) is kept aside as
+``progress.json.corrupt-<time>`` and rebuilt, with a warning; something that is not a regular file
+(a FIFO, a folder) is never opened, only named in a warning; a missing folder is created; nothing
+here ever makes a checker fail or hang.
 
 An instructor collects the learners' files in one folder (a shared drive, or files handed in, each
 renamed to ``<learner>.json``) and prints the room's table with
 ``python -m course_utils.progress --room DIR``: one row per exercise (how many learners passed,
 failed, did not try it) and one per learner.  Files that are not progress files are named, with
-the reason, and skipped.
+the reason, and skipped; links that lead out of the folder are not followed.
 
 ``COURSE_PROGRESS=off`` turns recording off.  So does a pytest run that does not set
 ``COURSE_PROGRESS_FILE``: the course's own tests run checkers on wrong answers on purpose, and
