@@ -144,16 +144,29 @@ def test_what_is_not_a_regular_file_is_never_opened_and_left_alone(pfile, kind, 
     assert len(caught) == 1 and str(pfile) in str(caught[0].message)
 
 
+def _one_warning_and_the_table(pfile: Path, out: str, err: str) -> None:
+    assert out.startswith(f"Course progress ({pfile})") and "01.a training step" in out
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: the progress file {pfile} is "), err
+    assert "rebuilt the next time a checker runs" in lines[0] or "rename or remove it" in lines[0]
+
+
+@pytest.mark.timeout(20)
 @pytest.mark.parametrize("kind", list(ALL))
-def test_the_command_line_warns_in_one_line_and_prints_the_table(pfile, kind):
+def test_the_command_line_warns_in_one_line_and_prints_the_table(pfile, kind, capsys):
+    _make(kind, pfile)
+    assert progress.main([]) == 0
+    out, err = capsys.readouterr()
+    _one_warning_and_the_table(pfile, out, err)
+
+
+@pytest.mark.parametrize("kind", ["deep", "fifo"])
+def test_python_m_course_utils_progress(pfile, kind):
     _make(kind, pfile)
     p = subprocess.run([sys.executable, "-m", "course_utils.progress"], capture_output=True,
                        text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith(f"Course progress ({pfile})") and "01.a training step" in p.stdout
-    lines = p.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"warning: the progress file {pfile} is "), p.stderr
-    assert "rebuilt the next time a checker runs" in lines[0] or "rename or remove it" in lines[0]
+    _one_warning_and_the_table(pfile, p.stdout, p.stderr)
 
 
 CHECK_IN_A_KERNEL = textwrap.dedent('''
