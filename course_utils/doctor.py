@@ -57,7 +57,7 @@ __all__ = ["Result", "run_checks", "room_line", "main"]
 
 @dataclasses.dataclass
 class Result:
-    status: str  # "OK", "INFO" or "FAIL"
+    status: str  # "OK", "INFO", "WARN" (works, but worth fixing) or "FAIL"
     name: str
     detail: str
 
