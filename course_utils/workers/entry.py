@@ -8,6 +8,7 @@ import io
 import linecache
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -46,6 +47,23 @@ def _die_with_launcher(alive_r: Connection) -> None:
         os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
+
+
+def _let_the_fork_server_go() -> None:
+    """Close this worker's copy of the fork server's "kernel alive" pipe.
+
+    multiprocessing hands every child of a fork server the write end of the pipe whose closing
+    tells the fork server that the kernel is gone. A worker holding it kept the fork server alive
+    after the kernel's death (while the worker itself was stopped, forever); without it, the fork
+    server exits with the kernel and ``tree.die_with_parent`` takes the worker with it.  This
+    worker's own children are not started from the fork server (see ``_become_the_kernel``).
+    """
+    server = multiprocessing.forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
 
 
 def _redirect_output(out_w: Connection, err_w: Connection) -> None:
@@ -107,6 +125,11 @@ def worker_main(
     """Run one rank: set the process up like a ``torchrun`` worker, run the function, send the result."""
     os.setpgid(0, 0)  # own process group: the launcher can kill the worker and its children
     tree.become_subreaper()  # orphaned descendants (setsid'd ones too) stay in this worker's tree
+    _let_the_fork_server_go()
+    parent = os.getppid()
+    tree.die_with_parent()  # the fork server exits when the kernel dies: so does this worker
+    if os.getppid() != parent:  # it already has
+        os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook's interrupt is the launcher's job
     _die_with_launcher(alive_r)
     _redirect_output(out_w, err_w)

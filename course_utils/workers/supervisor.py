@@ -37,8 +37,8 @@ How it works, in the order things happen:
      whole tree (SIGSTOP, so nothing forks meanwhile) and SIGKILLed with it; a stopped (SIGSTOP)
      worker is killed like any other;
    - if the launcher (the notebook kernel) dies, a pipe closes and each worker's watchdog thread
-     kills its descendants and its group (not while the worker itself is stopped: its thread
-     cannot run then);
+     kills its descendants and its group; a stopped worker, whose thread cannot run, is SIGKILLed
+     when the fork server exits with the kernel (``tree.die_with_parent``);
    - not covered: a descendant of a worker that died of its own SIGKILL (its orphans go to init),
      and a process that moved itself out of reach (another user, a ``PR_SET_CHILD_SUBREAPER``
      of its own).

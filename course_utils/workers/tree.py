@@ -6,6 +6,8 @@ worker instead of escaping to init, so while the worker lives, ``descendants(wor
 process it started, at any depth, whatever their session or process group.
 
 - ``become_subreaper``: called by the worker on itself (a no-op where ``prctl`` is missing);
+- ``die_with_parent``: the worker is SIGKILLed when the fork server, its parent, exits (which it
+  does when the kernel dies); unlike the worker's watchdog thread, this reaches a stopped worker;
 - ``end_descendants``: the worker's last act, after it has sent its result: SIGTERM to every
   descendant, ``GRACE`` seconds, then SIGKILL, and reap them;
 - ``kill_descendants``: the same at once, when the worker learns that its launcher died;
@@ -22,20 +24,29 @@ import os
 import signal
 import time
 
-__all__ = ["GRACE", "become_subreaper", "descendants", "end_descendants", "kill_descendants", "kill_tree",
-           "state"]
+__all__ = ["GRACE", "become_subreaper", "descendants", "die_with_parent", "end_descendants",
+           "kill_descendants", "kill_tree", "state"]
 
 GRACE = 0.3  # seconds a descendant gets between SIGTERM and SIGKILL
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def become_subreaper() -> bool:
     """Orphans among this process's descendants are re-parented to it. False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent() -> bool:
+    """SIGKILL this process when its parent (the fork server) exits: it acts on a stopped process too."""
+    return _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _children(pid: int) -> list[int]:

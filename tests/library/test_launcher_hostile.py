@@ -169,3 +169,34 @@ def test_no_grandchild_survives_the_death_of_the_kernel(tmp_path):
         driver.kill()
         driver.wait()
     _wait_gone(pids, limit=10)
+
+
+_STOPPED_DRIVER = """
+import os, signal, sys, time
+from pathlib import Path
+from course_utils import launch
+def work(folder):
+    Path(folder, os.environ["RANK"]).write_text(str(os.getpid()))
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(300)
+launch(work, 2, args=(sys.argv[1],), timeout=300)
+"""
+
+
+def test_a_stopped_worker_does_not_survive_the_death_of_the_kernel(tmp_path):
+    """Its watchdog thread cannot run while it is stopped: the fork server's exit kills it."""
+    driver = subprocess.Popen([sys.executable, "-c", _STOPPED_DRIVER, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / r).exists() and (tmp_path / r).read_text() for r in ("0", "1")):
+            assert time.monotonic() < deadline and driver.poll() is None, "workers never started"
+            time.sleep(0.05)
+        pids = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+        while psutil.Process(pids[1]).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        driver.kill()
+        driver.wait()
+    _wait_gone(pids, limit=10)
