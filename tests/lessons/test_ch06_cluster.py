@@ -51,8 +51,13 @@ def test_sbatch_dry_run_gives_every_node_the_same_rendezvous():
     # Since Slurm 22.05 srun does not take --cpus-per-task from the job: the template passes it.
     assert srun == "srun --kill-on-bad-exit=1 --cpus-per-task=32"
     assert [line.split("]")[0] for line in lines] == ["[gpu-07", "[gpu-08", "[gpu-09"]
-    # Every node runs the same command, except the address it announces on IFNAME.
+    # Only the first node hosts the rendezvous store, said explicitly (torchrun's host-name guess
+    # fails with several network cards).
+    hosts = [line.split("--rdzv_conf=is_host=")[1].split()[0] for line in lines]
+    assert hosts == ["1", "0", "0"], hosts
+    # Otherwise every node runs the same command, except the address it announces on IFNAME.
     commands = {line.split("] ", 1)[1].replace(f"--local-addr=10.1.1.{20 + i}", "--local-addr=X")
+                .replace(f"--rdzv_conf=is_host={hosts[i]}", "--rdzv_conf=is_host=X")
                 for i, line in enumerate(lines)}
     assert len(commands) == 1, commands
     (cmd,) = commands
@@ -60,8 +65,9 @@ def test_sbatch_dry_run_gives_every_node_the_same_rendezvous():
                      "--rdzv_endpoint=gpu-07:28273", "--rdzv_id=918273", "--max-restarts=2",
                      "--local-addr=X", "NCCL_SOCKET_IFNAME=ib0", "GLOO_SOCKET_IFNAME=ib0",
                      "NCCL_DEBUG=WARN", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "OMP_NUM_THREADS=8",
-                     # named after the job, not its id: a resubmitted job finds the checkpoint
-                     "ch06_train.py --ckpt $SUBMIT_DIR/checkpoints/ch06-ddp.pt"):
+                     # named after the job and its id: a requeued job (same id) finds its
+                     # checkpoint, a new submission of the same job name starts a new run
+                     "ch06_train.py --ckpt $SUBMIT_DIR/checkpoints/ch06-ddp-918273.pt"):
         assert expected in cmd, (expected, cmd)
     assert cmd.endswith("--steps 5000")
 
