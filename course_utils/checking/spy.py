@@ -75,10 +75,27 @@ class Call:
     phase: str | None
     step: int
     extra: dict = dataclasses.field(default_factory=dict)
-    waited: bool = False
-    waited_in_phase: str | None = None
-    waited_at_step: int | None = None
     peer: int | None = None  # send/isend: the destination; recv/irecv: the source (None: any)
+    # Every time its handle was waited for: (phase, step) labels of the spy at that moment.  A
+    # handle kept and waited for again in a later step shows up as a second entry.
+    waits: list[tuple[str | None, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def waited(self) -> bool:
+        return bool(self.waits)
+
+    @property
+    def waited_in_phase(self) -> str | None:
+        """The phase of the first wait (None when never waited for)."""
+        return self.waits[0][0] if self.waits else None
+
+    @property
+    def waited_at_step(self) -> int | None:
+        return self.waits[0][1] if self.waits else None
+
+    def waited_during(self, step: int, phase: str | None = None) -> bool:
+        """Whether its handle was waited for in ``step`` (and in ``phase``, when given)."""
+        return any(s == step and (phase is None or ph == phase) for ph, s in self.waits)
 
     @property
     def nbytes(self) -> int:
@@ -97,10 +114,9 @@ class _WatchedWork:
         self._work, self._call, self._spy = work, call, spy
 
     def _note(self) -> None:
-        if not self._call.waited:
-            self._call.waited = True
-            self._call.waited_in_phase = self._spy.phase
-            self._call.waited_at_step = self._spy.step
+        now = (self._spy.phase, self._spy.step)
+        if not self._call.waits or self._call.waits[-1] != now:  # polling notes a wait once
+            self._call.waits.append(now)
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         self._note()

@@ -249,9 +249,8 @@ def _communication(calls: list[Call], start: int, step: int) -> dict:
     earlier = [c for c in calls[:start] if c.phase is not None]
     return {
         "reduces": [{"phase": c.phase, "async": c.async_op, **c.extra} for c in now],
-        "waits_in_backward": sum(c.waited and c.waited_at_step == step
-                                 and c.waited_in_phase == "backward" for c in calls),
-        "old_waits": sum(c.waited for c in earlier),
+        "waits_in_backward": sum(c.waited_during(step, "backward") for c in calls),
+        "old_waits": sum(c.waited_during(step) for c in earlier),
         "unwaited": sum(c.async_op and not c.waited for c in now),
         "started": sum(c.async_op for c in now),
     }
@@ -311,8 +310,6 @@ def _run_case(cls: Any, case: str, init: torch.nn.Module, batches: list, pg: Gro
         ref_grads = _grads(ddp.module)
         opt.zero_grad(set_to_none=set_to_none)
         start, spy.step = len(spy.calls), step
-        for c in spy.calls:  # a handle of an earlier step waited for again is then noted again
-            c.waited, c.waited_in_phase, c.waited_at_step = False, None, None
         try:
             with watch.watching():
                 loss = F.cross_entropy(wrapped(x), y)
