@@ -15,17 +15,14 @@ One module per job:
 - ``choice``     which display a launch gets: ``display_mode()``, ``make_display()``
 - ``guard``      the launcher side: ``DisplayGuard`` creates the display on the first report, paces
                  it and shields the launch from it; ``display_factory`` is what ``launch`` passes on
-- ``settings``   ``DISPLAY``, ``PLOT_KEY`` and the timings, in ``SETTINGS``; ``course_utils.monitor.DISPLAY
-                 = "text"`` sets ``SETTINGS.DISPLAY`` (this package forwards each setting to it)
+- ``settings``   ``DISPLAY``, ``PLOT_KEY`` and the timings, in ``SETTINGS``
+                 (``course_utils.monitor.SETTINGS.DISPLAY = "text"`` in a notebook)
 
 The workers' launcher (``course_utils.workers``) knows nothing of these: ``course_utils.launch``
 hands it ``display_factory(display)``.
 """
 
 from __future__ import annotations
-
-import sys
-import types
 
 from .choice import display_mode, make_display
 from .displays import NullDisplay, Recorder, TextDisplay
@@ -44,8 +41,6 @@ __all__ = [
     "TextDisplay",
     "WidgetDisplay",
     "NullDisplay",
-    "DISPLAY",
-    "PLOT_KEY",
     "display_factory",
     "Recorder",
     "RankState",
@@ -53,23 +48,3 @@ __all__ = [
     "SETTINGS",
     "Settings",
 ]
-
-
-def _forwarded(name: str) -> property:
-    return property(lambda _: getattr(SETTINGS, name), lambda _, value: setattr(SETTINGS, name, value),
-                    doc=f"``SETTINGS.{name}``")
-
-
-class _Package(types.ModuleType):
-    """This package, with each setting read from and written to ``SETTINGS``."""
-
-    DISPLAY = _forwarded("DISPLAY")
-    PLOT_KEY = _forwarded("PLOT_KEY")
-    LOG_EVERY_S = _forwarded("LOG_EVERY_S")
-    REFRESH_S = _forwarded("REFRESH_S")
-    PLOT_MIN_INTERVAL_S = _forwarded("PLOT_MIN_INTERVAL_S")
-    PLOT_FIRST_S = _forwarded("PLOT_FIRST_S")
-    MAX_POINTS = _forwarded("MAX_POINTS")
-
-
-sys.modules[__name__].__class__ = _Package

@@ -3,7 +3,7 @@
 There is no reliable way for a kernel to know whether a browser is looking at it: nbval, nbconvert
 and JupyterLab all run the same IPython kernel with ipywidgets importable.  The rule used here:
 
-1. ``monitor.DISPLAY`` (set it in a notebook: ``course_utils.monitor.DISPLAY = "text"``), else
+1. ``SETTINGS.DISPLAY`` (set it in a notebook: ``course_utils.monitor.SETTINGS.DISPLAY = "text"``), else
 2. the environment variable ``COURSE_DISPLAY`` (``widgets``, ``text`` or ``none``), else
 3. ``widgets`` when this is an IPython kernel with ipywidgets *and* a Jupyter server started it
    (JupyterLab and Notebook 7 put ``JPY_SESSION_NAME`` in the kernel's environment; nbval,
@@ -28,7 +28,8 @@ _MODES = ("widgets", "text", "none")
 
 def display_mode() -> str:
     """``"widgets"``, ``"text"`` or ``"none"``: what ``launch`` shows (rules in the module doc)."""
-    chosen = (("monitor.DISPLAY", SETTINGS.DISPLAY), ("COURSE_DISPLAY", os.environ.get("COURSE_DISPLAY")))
+    chosen = (("monitor.SETTINGS.DISPLAY", SETTINGS.DISPLAY),
+              ("COURSE_DISPLAY", os.environ.get("COURSE_DISPLAY")))
     for source, value in chosen:
         if value:
             value = value.strip().lower()

@@ -45,7 +45,7 @@ def report(**metrics: Any) -> None:
 
     Keys with a meaning: ``step`` (the progress; report the number of steps *done*, ``i + 1``),
     ``total`` (the number of steps expected; gives the progress bar its length), ``loss`` (plotted;
-    see ``monitor.PLOT_KEY``).  Any other number or short string is shown as text next to the bar.
+    see ``monitor.SETTINGS.PLOT_KEY``).  Any other number or short string is shown as text next to the bar.
 
     Inside ``launch`` this never blocks and costs a few microseconds: the report is pickled and
     written to a pipe to the notebook, which reads it within
@@ -55,7 +55,7 @@ def report(**metrics: Any) -> None:
     each rank arrives (see ``workers.reports``).
 
     Outside ``launch`` and ``live()``, rank 0 (``RANK`` unset or ``0``) prints its first report,
-    then at most one line every ``monitor.LOG_EVERY_S`` seconds, and the report where ``step``
+    then at most one line every ``monitor.SETTINGS.LOG_EVERY_S`` seconds, and the report where ``step``
     reaches ``total``; the other ranks print nothing.
     """
     clean = {k: _plain(k, v) for k, v in metrics.items()}

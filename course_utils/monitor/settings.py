@@ -1,7 +1,6 @@
 """The monitor's settings, read each time they are used: change them from a notebook.
 
-``course_utils.monitor.DISPLAY = "text"`` sets ``SETTINGS.DISPLAY`` (the package forwards each of
-these names to ``SETTINGS``), so the two spellings are the same setting.
+``course_utils.monitor.SETTINGS.DISPLAY = "text"`` makes the next launch show plain text.
 """
 
 from __future__ import annotations

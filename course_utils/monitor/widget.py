@@ -1,7 +1,7 @@
 """The live display for JupyterLab: a progress bar and a metrics line per rank, and a live plot.
 
 While the workers run: a progress bar, a metrics line per rank and, after the first second, a live
-plot (redrawn at most every ``monitor.PLOT_MIN_INTERVAL_S`` seconds, less often when drawing is
+plot (redrawn at most every ``monitor.SETTINGS.PLOT_MIN_INTERVAL_S`` seconds, less often when drawing is
 slow, so that the launcher's loop keeps reading the pipes and the workers keep their cores).  At the
 end the widgets are replaced, in place, by a static summary (HTML, with the text lines as its
 plain-text form) followed by the static final figure, so that a saved notebook shows the result

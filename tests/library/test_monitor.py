@@ -341,7 +341,7 @@ def test_status_lines_name_the_rank_the_step_and_the_failure():
 
 
 def test_the_curve_keeps_its_shape_and_its_last_point_when_decimated(monkeypatch):
-    monkeypatch.setattr(monitor, "MAX_POINTS", 100)
+    monkeypatch.setattr(monitor.SETTINGS, "MAX_POINTS", 100)
     st = monitor.RankState()
     for i in range(1001):
         st.add({"step": i + 1, "loss": float(i)}, "loss")
@@ -367,7 +367,7 @@ def test_widget_display_state_after_a_run(capsys):
 
 
 def test_widget_display_while_running_without_total(monkeypatch):
-    monkeypatch.setattr(monitor, "PLOT_FIRST_S", 0.0)
+    monkeypatch.setattr(monitor.SETTINGS, "PLOT_FIRST_S", 0.0)
     disp = monitor.WidgetDisplay(1)
     disp.update(0, {"step": 5, "loss": 0.5, "phase": "warm-up"})
     assert disp.bars[0].layout.visibility == "hidden"  # no total: a step counter, no bar
@@ -384,7 +384,7 @@ def test_widget_display_while_running_without_total(monkeypatch):
 
 
 def test_display_mode_rules(monkeypatch):
-    monkeypatch.setattr(monitor, "DISPLAY", None)
+    monkeypatch.setattr(monitor.SETTINGS, "DISPLAY", None)
     monkeypatch.delenv("COURSE_DISPLAY", raising=False)
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
@@ -394,12 +394,12 @@ def test_display_mode_rules(monkeypatch):
     assert monitor.display_mode() == "widgets"  # JupyterLab
     monkeypatch.setenv("COURSE_DISPLAY", "text")
     assert monitor.display_mode() == "text"
-    monkeypatch.setattr(monitor, "DISPLAY", "none")
+    monkeypatch.setattr(monitor.SETTINGS, "DISPLAY", "none")
     assert monitor.display_mode() == "none"
-    monkeypatch.setattr(monitor, "DISPLAY", "loud")
+    monkeypatch.setattr(monitor.SETTINGS, "DISPLAY", "loud")
     with pytest.raises(ValueError, match="widgets, text, none"):
         monitor.display_mode()
-    monkeypatch.setattr(monitor, "DISPLAY", "widgets")
+    monkeypatch.setattr(monitor.SETTINGS, "DISPLAY", "widgets")
     monkeypatch.setattr(choice, "in_kernel", lambda: False)
     assert monitor.display_mode() == "text"  # no widgets in a terminal
 
@@ -460,7 +460,7 @@ def _notebook(env_mode: str | None):
                 nbformat.v4.new_code_cell(FAIL_CELL)]
     if env_mode:
         nb.cells.insert(0, nbformat.v4.new_code_cell(
-            f"import course_utils.monitor\ncourse_utils.monitor.DISPLAY = {env_mode!r}"))
+            f"import course_utils.monitor\ncourse_utils.monitor.SETTINGS.DISPLAY = {env_mode!r}"))
     return nb
 
 
