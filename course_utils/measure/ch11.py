@@ -16,13 +16,13 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
@@ -32,8 +32,13 @@ __all__ = ["ActivationMeter", "MLPBlock", "mlp_stack", "forward_in_segments", "p
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what this rank holds), any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """A DTensor's local shard (what this rank holds), any other tensor itself.
+
+    ``torch.distributed.tensor`` takes a second to import: it is not imported here, since a DTensor
+    can only exist once the code that made it has imported that module.
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:

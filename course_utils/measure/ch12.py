@@ -21,8 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from ..checking import CollectiveSpy
 
@@ -59,6 +57,10 @@ def simulate_fsdp(mesh_shape: tuple[int, ...], batch: int = 8) -> dict:
     collective of the step, in order (the first tensor of each call: an all-gather's output, a
     reduce-scatter's output shard).
     """
+    # Imported here: FSDP takes about a second to import, and importing the checkers should not wait.
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
     mesh_shape = tuple(mesh_shape)
     world = math.prod(mesh_shape)
     # No store-based barriers (init_process_group, new_group): the other ranks do not exist, and a

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,10 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "course_utils"
 # Imported lazily, where used, because the course runs without them or they are slow to import.
 OPTIONAL = ("IPython", "ipywidgets", "pynvml", "matplotlib")
+# Parts of torch that take about a second each to import: the functions that need them import them,
+# so that ``import course_utils.checks`` (every kernel, fork server and worker) does not wait for them.
+SLOW_TORCH = ("torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+              "torch.testing._internal.distributed")
 # Imports inside a function that are the point of the function.
 DELIBERATE = {("course_utils.workarounds", "torch._dynamo")}
 
@@ -102,6 +108,14 @@ def _function_imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def test_importing_the_checkers_leaves_the_slow_parts_of_torch_unimported():
+    code = ("import sys, course_utils.checks, course_utils.measure.ch11, course_utils.measure.ch12\n"
+            f"print([m for m in sys.modules if m.startswith({SLOW_TORCH!r})])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"imported at import time: {out.stdout}"
+
+
 @pytest.mark.parametrize("mod", sorted(MODULES))
 def test_imports_are_at_the_top_except_optional_dependencies_with_a_reason(mod):
     path = MODULES[mod]
@@ -110,7 +124,7 @@ def test_imports_are_at_the_top_except_optional_dependencies_with_a_reason(mod):
     for lineno, name in _function_imports(path):
         if (mod, name) in DELIBERATE:
             continue
-        if name.split(".")[0] not in OPTIONAL:
+        if name.split(".")[0] not in OPTIONAL and not name.startswith(SLOW_TORCH):
             bad.append(f"line {lineno}: import of {name} inside a function (move it to the top)")
             continue
         # The reason: a comment on the line, or above the block of imports it belongs to.

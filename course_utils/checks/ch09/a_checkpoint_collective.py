@@ -132,7 +132,12 @@ def _worker(fn: Callable, path: str) -> Outcome:
 def check_checkpoint_collective(end_of_epoch: Callable, *, timeout: float = 20.0) -> None:
     """Run ``end_of_epoch(model, local_val_loss, path)`` on two ranks (losses 1.0 and 3.0)."""
     require_callable(end_of_epoch, "end_of_epoch(model, local_val_loss, path)")
-    path = os.path.join(tempfile.mkdtemp(prefix="ch09a-"), "checkpoint.pt")
+    with tempfile.TemporaryDirectory(prefix="ch09a-") as folder:
+        _judge_run(end_of_epoch, os.path.join(folder, "checkpoint.pt"), timeout)
+
+
+def _judge_run(end_of_epoch: Callable, path: str, timeout: float) -> None:
+    """Run the two ranks with the checkpoint at ``path`` and judge what they did."""
     out = [o.data for o in judge(run_workers(_worker, WORLD, args=(end_of_epoch, path),
                                              timeout=timeout, hang_hint=_HANG), world=WORLD)]
     expected = sum(1.0 + 2.0 * r for r in range(WORLD)) / WORLD
@@ -151,7 +156,7 @@ def check_checkpoint_collective(end_of_epoch: Callable, *, timeout: float = 20.0
         raise CheckFailed(f"rank(s) {[r for r in writers if r != 0]} also called torch.save: "
                           + _hint("end_of_epoch_everyone_saves"))
     if not os.path.exists(path):
-        raise CheckFailed(f"no checkpoint at {path}: rank 0 must torch.save it there")
+        raise CheckFailed("no checkpoint at the path end_of_epoch was given: rank 0 must torch.save it there")
     ckpt = torch.load(path, map_location="cpu")
     if not isinstance(ckpt, dict) or "model" not in ckpt or "val_loss" not in ckpt:
         raise CheckFailed(_hint("end_of_epoch_saves_only_the_loss") + f"; got {type(ckpt).__name__} "

@@ -26,10 +26,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from torch.distributed.tensor import DTensor
 
 from ...checking import (
     Catalogue,
@@ -77,7 +73,8 @@ CATALOGUE = Catalogue(
 SAVE_WORLD, LOAD_WORLD = 2, 4
 STEPS = 3
 DIM, HIDDEN = 16, 64
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# torch.distributed.checkpoint and torch.distributed.tensor take about a second to import: the
+# functions that need them import them, so that importing the checkers stays quick.
 
 
 def _model(seed: int) -> nn.Sequential:
@@ -97,6 +94,8 @@ def _sharded(shard, seed: int, world: int) -> tuple[nn.Module, str]:
         return None, f"shard(model) raised {type(e).__name__}: {e}\n{indent(frames)}"
     if not isinstance(model, nn.Module):
         return model, f"shard(model) returned {type(model).__name__}; expected the sharded model"
+    from torch.distributed.tensor import DTensor  # slow to import: see the note above _model
+
     params = list(model.parameters())
     if not all(isinstance(p, DTensor) for p in params):
         return model, ("after shard(model) some parameters are plain tensors: apply fully_shard "
@@ -111,7 +110,11 @@ def _sharded(shard, seed: int, world: int) -> tuple[nn.Module, str]:
 
 def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     """The whole model and AdamW state, gathered on rank 0 (the other ranks get empty dicts)."""
-    msd, osd = get_state_dict(model, opt, options=FULL)
+    # slow to import: see the note above _model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, opt, options=full)
     return copy.deepcopy({"model": msd, "optim": osd.get("state", {})})  # AdamW's step tensors are live
 
 
@@ -160,6 +163,10 @@ def _load_worker(shard, load_checkpoint, path: str, saved: dict) -> Outcome:
 
 def _coverage_problem(path: str, saved: dict) -> str:
     """Why the checkpoint at ``path`` does not hold every element of the saved state, or ''."""
+    # slow to import: see the note above _model
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     rank0 = CATALOGUE.hint("saves_on_rank_zero_only")
     if os.path.isfile(path):
         return (f"the checkpoint is one file ({os.path.basename(path)}), written by one rank: it holds "
