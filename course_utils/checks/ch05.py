@@ -6,8 +6,9 @@
   sizes and epochs, in this process (one sampler object per simulated rank) and in real worker
   processes (``num_replicas`` and ``rank`` left out, so read from the process group): batches of
   exactly ``batch_size`` indices, disjoint across ranks, covering the data set but for fewer than
-  one round of batches, reshuffled every epoch identically on every rank, the same number of
-  batches on every rank, ``len()`` telling the truth, and little padding.
+  one round of batches, reshuffled every epoch identically on every rank (the batches themselves
+  change, not only their order), the same number of batches on every rank, ``len()`` telling
+  the truth, and little padding.
 
 The misconceptions it recognises are ``CATALOGUE`` below: each entry's key names the wrong
 sampler written with it in tests/checkers/test_ch05_bucket_sampler.py, its message is what the
@@ -89,6 +90,13 @@ CATALOGUE = Catalogue(
         "num_replicas (this exercise asks for disjoint shards, so no padding with repeated "
         "samples)."),
     Misconception(
+        "UnevenBehindEqualLen",
+        "the ranks may differ by one batch as long as len() gives every rank the same number",
+        "the simulated ranks yield different numbers of batches, while len() gives one number",
+        "a DataLoader runs as many steps as __iter__ yields, whatever len() says: the rank with one "
+        "batch more runs a step the others skip, and DDP hangs in that step's gradient all-reduce, "
+        "waiting for ranks that never join it. Fix __iter__, not __len__."),
+    Misconception(
         "DropsPerBucket",
         "an incomplete batch may be dropped in every bucket",
         "a whole round of batches or more is missing from the epoch",
@@ -117,6 +125,15 @@ CATALOGUE = Catalogue(
         "does. This exercise asks for disjoint shards (a repeated sample counts twice in the "
         "gradient): drop the incomplete last step instead"),
     Misconception(
+        "ReordersFixedBatches",
+        "shuffling the order of the batches each epoch is the reshuffle set_epoch asks for",
+        "most batches of epoch 1 hold exactly the samples of a batch of epoch 0",
+        "the batches hold the same samples in every epoch, only their order changes: they are "
+        "formed once (from a fixed sort or the seed alone) and only then shuffled with seed + "
+        "epoch. Every epoch then averages the same batch gradients. Shuffle all indices with "
+        "torch.Generator().manual_seed(seed + epoch) before cutting them into buckets and "
+        "batches, so that the batches themselves change."),
+    Misconception(
         "SortedNeverShuffled",
         "sorting by length is all the bucketing needs",
         "rank 0's batches come in order of length, the same in every epoch",
@@ -136,7 +153,7 @@ def _random_waste(lengths: Sequence[int], batch_size: int) -> float:
 
 def _epoch_batches(cls: Any, lengths: list[int], world: int, epoch: int, **kw: Any) -> list[list[list[int]]]:
     """The batches each simulated rank yields in ``epoch`` (fresh sampler objects)."""
-    per_rank = []
+    per_rank, lens = [], []
     for rank in range(world):
         sampler = cls(lengths, _BATCH, num_replicas=world, rank=rank, **kw)
         if not hasattr(sampler, "set_epoch"):
@@ -144,12 +161,34 @@ def _epoch_batches(cls: Any, lengths: list[int], world: int, epoch: int, **kw: A
                               "one, and the training loop calls it at the start of every epoch")
         sampler.set_epoch(epoch)
         per_rank.append(_as_batches(iter(sampler), rank))
-        n = _len(sampler, rank)
-        if n != len(per_rank[-1]):
+        lens.append(_len(sampler, rank))
+    # Ranks that yield different numbers of batches are the fault, whatever len() says of each.
+    _require_equal_counts(per_rank, f"world size {world}, epoch {epoch}", lens)
+    for rank, (n, batches) in enumerate(zip(lens, per_rank)):
+        if n != len(batches):
             raise CheckFailed(f"rank {rank} of {world}, epoch {epoch}: len(sampler) is {n} but "
-                              f"iterating yields {len(per_rank[-1])} batches; "
+                              f"iterating yields {len(batches)} batches; "
                               + _hint("LenCountsAllRanks"))
     return per_rank
+
+
+def _require_equal_counts(per_rank: list[list[list[int]]], where: str, lens: list[int] | None = None) -> None:
+    counts = [len(b) for b in per_rank]
+    if len(set(counts)) == 1:
+        return
+    message = (f"{where}: the ranks get different numbers of batches "
+               f"({', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))}). ")
+    if lens is not None and len(set(lens)) == 1:
+        message += f"len(sampler) is {lens[0]} on every rank, but " + _hint("UnevenBehindEqualLen") + " "
+    raise CheckFailed(message + _hint("UnevenBatches"))
+
+
+def _same_batches(before: list[list[list[int]]], after: list[list[list[int]]]) -> float:
+    """The share of the batches of ``after`` (all ranks) that hold exactly the samples of a batch
+    of ``before``: about 0 for batches cut afresh each epoch, 1 for fixed batches reordered."""
+    old = {frozenset(b) for batches in before for b in batches}
+    new = [frozenset(b) for batches in after for b in batches]
+    return sum(b in old for b in new) / max(1, len(new))
 
 
 def _len(sampler: Any, rank: int) -> int:
@@ -200,7 +239,6 @@ def _judge_epoch(per_rank: list[list[list[int]]], world: int, epoch: int, n: int
         flat = [i for b in batches for i in b]
         if len(flat) != len(set(flat)):
             raise CheckFailed(f"{where}: rank {rank} yields some samples twice within one epoch")
-    counts = [len(b) for b in per_rank]
     for r in range(world):
         for s in range(r + 1, world):
             common = sets[r] & sets[s]
@@ -211,11 +249,7 @@ def _judge_epoch(per_rank: list[list[list[int]]], world: int, epoch: int, n: int
                     f"or {_hint('GlobalRandom')}): every rank must build the same global list of "
                     "batches from the same generator, torch.Generator().manual_seed(seed + epoch), "
                     "and then take its own share.")
-    if len(set(counts)) > 1:
-        raise CheckFailed(
-            f"{where}: the ranks get different numbers of batches "
-            f"({', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))}). "
-            + _hint("UnevenBatches"))
+    _require_equal_counts(per_rank, where)
     covered = len(set().union(*sets))
     dropped = n - covered
     if dropped >= world * _BATCH:
@@ -244,6 +278,11 @@ def check_bucket_sampler(BucketBatchSampler: Any, *, timeout: float = 120.0) -> 
                     f"{'shortest' if longest == sorted(longest) else 'longest'} first, and the "
                     "same in every epoch: " + _hint("SortedNeverShuffled"))
             raise CheckFailed(f"world size {world}: " + _hint("ForgetsEpoch"))
+        same = _same_batches(epochs[0], epochs[1])
+        if same > 0.5:
+            raise CheckFailed(f"world size {world}: {100 * same:.0f}% of the batches of epoch 1 hold "
+                              "exactly the samples of a batch of epoch 0; "
+                              + _hint("ReordersFixedBatches"))
         # Deterministic: a second object with the same arguments agrees (as another process would).
         again = _epoch_batches(BucketBatchSampler, lengths, world, 1)
         if again != epochs[1]:

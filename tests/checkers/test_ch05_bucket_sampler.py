@@ -104,6 +104,32 @@ class UnevenBatches(Right):
         return len(self.batches()[self.rank::self.num_replicas])
 
 
+class UnevenBehindEqualLen(UnevenBatches):
+    """The same untrimmed round-robin deal, with a __len__ that gives every rank the same number."""
+
+    def __len__(self):
+        return len(self.batches()) // self.num_replicas
+
+
+class ReordersFixedBatches(Right):
+    """The article's batches made distributed: sorted by length once and cut into batches, only
+    their order shuffled with seed + epoch, trimmed to a multiple of the ranks, dealt out
+    batches[r::N]."""
+
+    def batches(self):
+        indices = sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i], i))
+        b = self.batch_size
+        batches = [indices[i:i + b] for i in range(0, len(indices) - b + 1, b)]
+        batches = [batches[k] for k in torch.randperm(len(batches), generator=self.generator()).tolist()]
+        return batches[:len(batches) - len(batches) % self.num_replicas]
+
+    def __iter__(self):
+        yield from self.batches()[self.rank::self.num_replicas]
+
+    def __len__(self):
+        return len(self.batches()) // self.num_replicas
+
+
 class NoBucketing(Right):
     bucket_steps = 1  # sorting within a single step changes nothing: random batches
 
@@ -276,6 +302,14 @@ WRONG = {
     "SeedPerRank": (SeedPerRank, r"ranks 0 and 1 share \d+ samples.*a seed that depends on the rank"),
     "UnevenBatches": (UnevenBatches,
                       r"different numbers of batches \(rank 0: \d+, rank 1: \d+\).*wait forever"),
+    "UnevenBehindEqualLen": (UnevenBehindEqualLen,
+                             r"different numbers of batches \(rank 0: 47, rank 1: 46\)\. "
+                             r"len\(sampler\) is 46 on every rank, but a DataLoader runs as many "
+                             r"steps as __iter__ yields.*DDP hangs in that step's gradient all-reduce"),
+    "ReordersFixedBatches": (ReordersFixedBatches,
+                             r"\d+% of the batches of epoch 1 hold exactly the samples of a batch of "
+                             r"epoch 0; the batches hold the same samples in every epoch, only their "
+                             r"order changes"),
     "NoBucketing": (NoBucketing, r"\d+% of the padded batches is padding \(random batching: \d+%; "
                                  r"required: at most 20%\)"),
     "DropsPerBucket": (DropsPerBucket,
