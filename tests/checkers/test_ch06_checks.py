@@ -47,6 +47,23 @@ def commands_total_gpus(node, master_addr, port, job_id, script, script_args):
 
 
 @_both
+def commands_nproc_cpu(node, master_addr, port, job_id, script, script_args):
+    return HEAD + ["--nnodes=2", "--nproc-per-node=cpu", "--rdzv_backend=c10d",
+                   f"--rdzv_endpoint={master_addr}:{port}", f"--rdzv_id={job_id}",
+                   "--max-restarts=1", script, *script_args]
+
+
+def commands_one_per_gpu(kind):
+    """--nproc-per-node given as a device kind, which torchrun turns into the machine's GPU count."""
+    @_both
+    def make_commands(node, master_addr, port, job_id, script, script_args):
+        return HEAD + ["--nnodes=2", f"--nproc-per-node={kind}", "--rdzv_backend=c10d",
+                       f"--rdzv_endpoint={master_addr}:{port}", f"--rdzv_id={job_id}",
+                       "--max-restarts=1", script, *script_args]
+    return make_commands
+
+
+@_both
 def commands_nnodes_is_gpus(node, master_addr, port, job_id, script, script_args):
     return HEAD + ["--nnodes=4", "--nproc_per_node=2", "--rdzv_backend=c10d",
                    f"--rdzv_endpoint={master_addr}:{port}", f"--rdzv_id={job_id}",
@@ -111,10 +128,20 @@ def test_launch_commands_accepts_the_c10d_commands_and_runs_them(capsys, no_left
     assert "[PASS] 06.a launch commands" in out
 
 
+@pytest.mark.parametrize("kind", ["gpu", "auto"])
+def test_launch_commands_accepts_one_worker_per_gpu(kind, capsys, no_leftover_processes):
+    check_launch_commands(commands_one_per_gpu(kind))
+    out = capsys.readouterr().out
+    assert f"--nproc_per_node={kind}: one worker per GPU" in out
+    assert "4 workers, RANK 0..3" in out
+    assert "[PASS] 06.a launch commands" in out
+
+
 # Each misconception of 06.a's catalogue: the wrong commands of the same name, and what the failure says.
 WRONG_A = {f.__name__: (f, message) for f, message in [
     (commands_total_gpus, r"--nproc_per_node=4; it counts the worker processes on ONE machine"),
     (commands_nnodes_is_gpus, r"--nnodes=4; the cluster has 2 machines"),
+    (commands_nproc_cpu, r"--nproc_per_node=cpu; 'cpu' starts one worker per CPU core"),
     (commands_id_per_node, r"different --rdzv_id .* wait in a rendezvous of their own"),
     (commands_localhost_everywhere, r"node1 has --rdzv_endpoint='localhost:29400'"),
     (commands_standalone, r"--standalone: that makes a private rendezvous"),

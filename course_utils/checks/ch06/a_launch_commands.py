@@ -65,6 +65,12 @@ CATALOGUE = Catalogue(
         "--nproc_per_node is not the GPUs of one machine",
         "it counts the worker processes on ONE machine, one per GPU"),
     Misconception(
+        "commands_nproc_cpu",
+        "the checker runs on CPUs, so --nproc_per_node=cpu",
+        "--nproc_per_node is 'cpu'",
+        "'cpu' starts one worker per CPU core of the machine, not one per GPU; write 2, or 'gpu' "
+        "(one worker per GPU the machine has)"),
+    Misconception(
         "commands_localhost_everywhere",
         "localhost is the endpoint on every node",
         "a node's --rdzv_endpoint is not node0's address and port",
@@ -87,6 +93,12 @@ _hint = CATALOGUE.hint
 
 NODES = ("node0", "node1")
 GPUS_PER_NODE = 2
+# torchrun reads --nproc_per_node as a count or as a device kind (determine_local_world_size in
+# torch/distributed/run.py accepts an int, "cpu", "gpu", "xpu" and "auto"): "gpu" starts one
+# worker per GPU the machine has, and "auto" does the same on a machine with an accelerator. On
+# the exercise's cluster (2 GPUs a machine) both mean 2 workers a machine, so both are right.
+# This machine has no 2 GPUs to count: the simulated nodes run them as the number they mean.
+ONE_PER_GPU = ("gpu", "auto")
 RUN_TIMEOUT = 90.0
 
 # What every simulated worker prints: its environment and the result of one all_reduce.
@@ -145,7 +157,7 @@ def _parse(name: str, argv: Any, script: str) -> Any:
 
 
 def _static_checks(cmds: Any, master_addr: str, port: int, job_id: str, script: str,
-                   script_args: list[str]) -> None:
+                   script_args: list[str]) -> dict[str, Any]:
     if not isinstance(cmds, dict):
         raise CheckFailed(f"expected a dict {{'node0': [...], 'node1': [...]}}, got "
                           f"{type(cmds).__name__}")
@@ -160,7 +172,9 @@ def _static_checks(cmds: Any, master_addr: str, port: int, job_id: str, script: 
         if str(a.nnodes) not in ("2", "2:2"):
             raise CheckFailed(
                 f"{n} has --nnodes={a.nnodes}; " + _hint("commands_nnodes_is_gpus"))
-        if str(a.nproc_per_node) != str(GPUS_PER_NODE):
+        if str(a.nproc_per_node) == "cpu":
+            raise CheckFailed(f"{n} has --nproc_per_node=cpu; " + _hint("commands_nproc_cpu"))
+        if str(a.nproc_per_node) not in (str(GPUS_PER_NODE), *ONE_PER_GPU):
             raise CheckFailed(
                 f"{n} has --nproc_per_node={a.nproc_per_node}; {_hint('commands_total_gpus')}: "
                 f"{GPUS_PER_NODE}. torchrun computes the world size (nnodes x nproc_per_node) itself")
@@ -184,6 +198,17 @@ def _static_checks(cmds: Any, master_addr: str, port: int, job_id: str, script: 
     if ids["node0"] != job_id:
         raise CheckFailed(f"--rdzv_id is {ids['node0']!r}; use the job id given ({job_id!r}), "
                           "so that two jobs on the same machines never join each other")
+    return parsed
+
+
+def _as_simulated(argv: list[Any], parsed: Any, n_script_args: int) -> list[str]:
+    """One node's command as this machine runs it: a per-GPU --nproc_per_node becomes the
+    cluster's count, given again just before the script (argparse keeps the last value)."""
+    argv = [str(a) for a in argv]
+    if str(parsed.nproc_per_node) in ONE_PER_GPU:
+        at = len(argv) - n_script_args - 1  # the script: everything after it is its arguments
+        argv.insert(at, f"--nproc_per_node={GPUS_PER_NODE}")
+    return argv
 
 
 @checker("06.a launch commands")
@@ -202,8 +227,12 @@ def check_launch_commands(make_commands: Callable[..., dict]) -> None:
         port, job = free_port(), f"check-06a-{os.getpid()}"
         args = ["--steps", "4"]
         cmds = make_commands("127.0.0.1", port, job, probe, list(args))
-        _static_checks(cmds, "127.0.0.1", port, job, probe, args)
-        results = run_commands({n: [str(a) for a in cmds[n]] for n in NODES},
+        parsed = _static_checks(cmds, "127.0.0.1", port, job, probe, args)
+        per_gpu = sorted({str(a.nproc_per_node) for a in parsed.values()} & set(ONE_PER_GPU))
+        if per_gpu:
+            print(f"  --nproc_per_node={per_gpu[0]}: one worker per GPU, {GPUS_PER_NODE} on each "
+                  f"machine of the cluster; run here as --nproc_per_node={GPUS_PER_NODE}")
+        results = run_commands({n: _as_simulated(cmds[n], parsed[n], len(args)) for n in NODES},
                                timeout=RUN_TIMEOUT, echo=False, cwd=tmp,
                                env={"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"})
     for r in results:
