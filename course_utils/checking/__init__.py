@@ -6,6 +6,7 @@
 - ``compare``    ``close``, ``compare_tensors``, ``diff_table``, ``state_to_cpu``, ``wrap_ddp``...
 - ``fixtures``   the test models and data several chapters' checkers share
 - ``errors``     ``CheckFailed``
+- ``limits``     ``time_limit``: a bound on learner code a checker runs in the notebook's process
 
 CONTRIBUTING.md ("Adding an exercise") shows a whole checker built from these.
 """
@@ -24,11 +25,12 @@ from .compare import (
 )
 from .errors import CheckFailed
 from .harness import Group, Outcome, checker, first_problem, judge, learner_frames, process_group, run_workers
+from .limits import time_limit
 from .spy import Call, CollectiveSpy
 
 __all__ = [
     "CheckFailed", "checker", "run_workers", "process_group", "Group", "Outcome", "first_problem",
     "judge", "learner_frames", "CollectiveSpy", "Call", "Catalogue", "Misconception", "close",
     "compare_tensors", "diff_table", "format_table", "state_to_cpu", "wrap_ddp", "as_tensor",
-    "as_float", "require_callable",
+    "as_float", "require_callable", "time_limit",
 ]

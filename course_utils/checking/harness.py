@@ -42,6 +42,7 @@ from ..progress import record
 from ..workers.errors import FailureKind, RankFailure, WorkerError, WorkerTimeout, indent
 from ..workers.stacks import drop_frames
 from .errors import CheckFailed
+from .limits import time_limit
 
 __all__ = [
     "checker",
@@ -55,19 +56,25 @@ __all__ = [
 ]
 
 
-def checker(exercise: str) -> Callable:
+def checker(exercise: str, *, in_process: bool = False) -> Callable:
     """Decorate a ``check_*`` function: name the exercise, record the outcome, never crash.
 
     - a stub that still raises ``NotImplementedError`` gives "exercise X is not done yet";
     - any other unexpected exception in the learner's code becomes a ``CheckFailed`` that shows it;
+    - ``in_process=True``: the checker runs the learner's code in the notebook's own process (not in
+      workers); it is interrupted after ``limits.IN_PROCESS_LIMIT`` seconds (``time_limit``), so
+      that no answer freezes the cell;
     - pass/fail is written to the learner's progress file (``course_utils.progress``).
     """
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> None:
+            bound = (time_limit(None, "your code, run in this notebook's process,")
+                     if in_process else contextlib.nullcontext())
             try:
-                fn(*args, **kwargs)
+                with bound:
+                    fn(*args, **kwargs)
             except CheckFailed as e:
                 _record(exercise, False)
                 raise CheckFailed(f"[{exercise}] {e}") from None

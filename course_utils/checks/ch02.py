@@ -145,7 +145,7 @@ def _is_row_permutation(got: torch.Tensor, ref: torch.Tensor) -> bool:
     return True
 
 
-@checker("02.a data parallel step")
+@checker("02.a data parallel step", in_process=True)
 def check_dp_step(dp_step: Callable[..., Any]) -> None:
     """Check ``dp_step(model, x, y, n_devices) -> (outputs, loss)``: one DataParallel step on CPU.
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +19,7 @@ from course_utils.checking import (
     judge,
     process_group,
     run_workers,
+    time_limit,
 )
 
 REAL = {op: (getattr(dist, op), getattr(c10d, op)) for op in ("all_reduce", "broadcast", "barrier")}
@@ -165,3 +169,56 @@ def test_spy_records_the_peer_of_point_to_point_calls_not_torchs_calls_inside_th
         [("send", 1, 8), ("irecv", 1, 8)],
         [("recv", None, 8), ("isend", 0, 8)],
     ]
+
+
+# ---- time_limit: learner code a checker runs in the notebook's own process -------------------
+
+
+def _never_returns(*args):
+    """A learner's answer that waits forever and swallows ordinary exceptions on the way."""
+    while True:
+        try:
+            time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the point: a bare "except Exception" cannot keep it alive
+            pass
+
+
+def test_time_limit_interrupts_a_loop_that_catches_exceptions_and_names_its_line():
+    before, armed = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)[0]
+    t = time.monotonic()
+    with pytest.raises(CheckFailed) as e:
+        with time_limit(0.5, "answer(x)"):
+            _never_returns()
+    assert time.monotonic() - t < 5
+    msg = str(e.value)
+    assert "answer(x) did not return within 0.5 s" in msg and "in _never_returns" in msg
+    assert "course_utils" not in msg  # only the learner's frames
+    # The handler and timer that were there before (pytest-timeout's, here) are back.
+    assert signal.getsignal(signal.SIGALRM) is before
+    assert (signal.getitimer(signal.ITIMER_REAL)[0] > 0) == (armed > 0)
+
+
+def test_time_limit_inside_another_keeps_the_outer_one():
+    with pytest.raises(CheckFailed, match="outer did not return within 1 s"):
+        with time_limit(1, "outer"):
+            with time_limit(30, "inner"):
+                pass
+            assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 1
+            _never_returns()
+
+
+def test_in_process_checkers_stop_an_answer_that_never_returns(monkeypatch):
+    from course_utils.checking import limits
+    from course_utils.checks import ch10, check_comm_prediction, check_train_step
+
+    for check in (check_train_step, check_comm_prediction):  # first, what a first check imports
+        with pytest.raises(CheckFailed):
+            check(lambda *args: None)
+    monkeypatch.setattr(limits, "IN_PROCESS_LIMIT", 2.0)
+    monkeypatch.setattr(ch10.c_cost_model, "PREDICT_LIMIT", 2.0)
+    for check in (check_train_step, check_comm_prediction):
+        t = time.monotonic()
+        with pytest.raises(CheckFailed, match="did not return within 2 s") as e:
+            check(_never_returns)
+        assert time.monotonic() - t < 10, str(e.value)
+        assert "_never_returns" in str(e.value), str(e.value)

@@ -189,7 +189,7 @@ def _two_numbers(got) -> tuple:
     return values
 
 
-@checker("01.a training step")
+@checker("01.a training step", in_process=True)
 def check_train_step(train_step: Callable) -> None:
     """``train_step(model, optimizer, x, y, max_norm) -> (loss, norm)``: one step with the gradients
     clipped to a global norm of at most ``max_norm``; compared with the reference for 3 steps of SGD

@@ -115,7 +115,7 @@ def _agree(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-5 * max(1.0, abs(b))
 
 
-@checker("01.b evaluation")
+@checker("01.b evaluation", in_process=True)
 def check_evaluate(evaluate: Callable) -> None:
     """``evaluate(model, loader) -> (accuracy, mean loss)`` over every sample, the last batch smaller, in
     eval mode, without a graph, and the model left in the mode it was in."""

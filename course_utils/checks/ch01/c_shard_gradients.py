@@ -72,7 +72,7 @@ CATALOGUE = Catalogue(
 _hint = CATALOGUE.hint
 
 
-@checker("01.c gradient from shards")
+@checker("01.c gradient from shards", in_process=True)
 def check_shard_gradients(shard_gradients: Callable) -> None:
     """``shard_gradients(model, x, y, n_shards)``: as N ranks would, run the model on each of ``n_shards``
     shards of the batch separately, then leave in ``model``'s ``.grad`` the gradient of the mean

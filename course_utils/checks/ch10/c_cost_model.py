@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ...checking import Catalogue, CheckFailed, Misconception, checker, require_callable
+from ...checking import Catalogue, CheckFailed, Misconception, checker, require_callable, time_limit
 from ...measure.ch10 import fit_alpha_beta, measured_rounds, ring_factor
 from .common import WORLD
 
@@ -54,6 +54,9 @@ _SIZES = [2**12, 2**15, 2**17, 2**19, 2**20]
 _GROUP = [2**19, 2**17, 2**15, 2**12, 2**12]  # the bucket sizes of one step (bytes)
 
 
+PREDICT_LIMIT = 10.0  # seconds for one call of predict(...), which is a few lines of arithmetic
+
+
 @checker("10.c cost-model prediction")
 def check_comm_prediction(predict: Callable, *, timeout: float = 90.0, tolerance: float = 2.0) -> None:
     """``predict(bucket_bytes, world, alpha, beta)`` -> seconds of one step's all-reduces.
@@ -67,7 +70,8 @@ def check_comm_prediction(predict: Callable, *, timeout: float = 90.0, tolerance
     buckets = [25 * 2**20, 4 * 2**20, 1000]
     for world in (2, 8):
         right = sum(alpha + ring_factor(world) * b / beta for b in buckets)
-        got = predict(list(buckets), world, alpha, beta)
+        with time_limit(PREDICT_LIMIT, "predict(...)"):
+            got = predict(list(buckets), world, alpha, beta)
         if not isinstance(got, (int, float)) or isinstance(got, bool) or got != got:
             raise CheckFailed(f"predict(...) returned {got!r}; {_hint('forgets_return')}")
         if math.isclose(got, right, rel_tol=1e-6):
@@ -90,7 +94,8 @@ def check_comm_prediction(predict: Callable, *, timeout: float = 90.0, tolerance
     for times, group_time in zip(single, multi):  # fit and predict within each round
         a, b = fit_alpha_beta(_SIZES, times, WORLD)
         fits.append((a, b))
-        ratios.append(predict(list(_GROUP), WORLD, a, b) / group_time[0])
+        with time_limit(PREDICT_LIMIT, "predict(...)"):
+            ratios.append(predict(list(_GROUP), WORLD, a, b) / group_time[0])
     k = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]  # the median round
     (a, b), ratio = fits[k], ratios[k]
     print(f"fitted here (median of {len(ratios)} rounds): α = {a * 1e6:.1f} µs, β = {b / 1e9:.3f} GB/s; "
