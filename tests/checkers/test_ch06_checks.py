@@ -408,6 +408,23 @@ def save_leaves_temp_on_failure(path, rank, model, optimizer, scheduler, epoch, 
         os.replace(tmp, path)
 
 
+def save_leaves_new_temp_each_failure(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank != 0:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")  # "a fresh name: two saves never collide"
+    with os.fdopen(fd, "wb") as f:
+        torch.save(_state(model, optimizer, scheduler, epoch, step_in_epoch), f)
+    os.replace(tmp, path)
+
+
+def save_leaves_pid_temp(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
+    if rank == 0:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        torch.save(_state(model, optimizer, scheduler, epoch, step_in_epoch), tmp)
+        os.replace(tmp, path)
+
+
 def save_swallows_errors(path, rank, model, optimizer, scheduler, epoch, step_in_epoch):
     if rank != 0:
         return
@@ -471,6 +488,9 @@ WRONG_B = {
                                       r"not atomic"),
     "save_leaves_temp_on_failure": (save_leaves_temp_on_failure, load_right, batches_right,
                                     r"a save that failed left \['ckpt\.pt\.tmp'\]"),
+    "save_leaves_new_temp_each_failure": (save_leaves_new_temp_each_failure, load_right, batches_right,
+                                          r"two saves that failed left \['tmp\w+\.tmp', 'tmp\w+\.tmp'\]"
+                                          r".*every failed save leaves one more"),
     "save_swallows_errors": (save_swallows_errors, load_right, batches_right,
                              r"save_checkpoint returned normally.*re-raise"),
     # The distributed half: the resumed run must train on exactly the batches still due.
@@ -507,6 +527,18 @@ def test_resumable_rejects_usual_mistakes(mistake, wrong, no_leftover_processes)
 def test_resumable_rejects_answers_that_break_the_contract(save, load, message):
     with pytest.raises(CheckFailed, match=message):
         check_resumable(save, load, batches_right)
+
+
+def test_resumable_names_what_a_left_temporary_file_costs():
+    """A fixed name is overwritten by the next save (nothing piles up); a name with the process id
+    is not, since a restarted job has another one."""
+    with pytest.raises(CheckFailed, match=r"left \['ckpt\.pt\.tmp'\].*Its name is fixed, so the next "
+                                          r"save overwrites it and no more pile up") as info:
+        check_resumable(save_leaves_temp_on_failure, load_right, batches_right)
+    assert "leaves one more" not in info.value.args[0]
+    with pytest.raises(CheckFailed, match=r"left \['ckpt\.pt\.\d+\.tmp'\].*Its name holds the process "
+                                          r"id.*every job whose save fails leaves one more"):
+        check_resumable(save_leaves_pid_temp, load_right, batches_right)
 
 
 def test_resumable_compares_the_killed_runs_final_state(no_leftover_processes):

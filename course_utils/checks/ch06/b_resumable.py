@@ -133,6 +133,12 @@ CATALOGUE = Catalogue(
         "Remove the temporary file when the save fails (`except BaseException: os.unlink(tmp); "
         "raise`)."),
     Misconception(
+        "save_leaves_new_temp_each_failure",
+        "a fresh temporary name for every save is safer, and what a failed save leaves does no harm",
+        "after two failed saves, two temporary files lie beside the checkpoint",
+        "a temporary name that changes from save to save is never overwritten: every failed save "
+        "leaves one more half-written file as large as the checkpoint, until the disk is full"),
+    Misconception(
         "save_swallows_errors",
         "a failed save should not stop training",
         "save_checkpoint returned normally although torch.save raised",
@@ -280,9 +286,7 @@ def _single_process_checks(save_fn: Callable, load_fn: Callable, tmp: str) -> bo
             "torch.save raised inside save_checkpoint (a simulated crash in the middle of the "
             "write), but save_checkpoint returned normally: " + _hint("save_swallows_errors"))
     if left_behind:
-        raise CheckFailed(
-            f"a save that failed left {left_behind} beside the checkpoint; every crashed save would "
-            "leave one more. " + _hint("save_leaves_temp_on_failure"))
+        raise _leftover_problem(save_fn, path, model, opt, sched, left_behind)
     other_fs = _check_other_filesystem(save_fn, model, opt, sched)
 
     # d. A checkpoint written on a GPU machine, loaded here.
@@ -329,6 +333,30 @@ def _crashes_when_saved(opt: torch.optim.Optimizer) -> Iterator[None]:
         yield
     finally:
         del opt.param_groups[0]["crash_during_save"]
+
+
+def _leftover_problem(save_fn: Callable, path: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                      sched: Any, left: list[str]) -> CheckFailed:
+    """What the files a failed save left beside the checkpoint cost: a second failed save shows
+    whether their name is fixed (the next save overwrites them) or new every time (they pile up)."""
+    folder = os.path.dirname(path)
+    with _crashes_when_saved(opt), contextlib.suppress(Exception):
+        save_fn(path, 0, model, opt, sched, 2, 4)
+    after = sorted(set(os.listdir(folder)) - {"ckpt.pt", "rank1"})
+    if len(after) > len(left):
+        return CheckFailed(f"two saves that failed left {after} beside the checkpoint: "
+                           + _hint("save_leaves_new_temp_each_failure") + ". "
+                           + _hint("save_leaves_temp_on_failure"))
+    if any(str(os.getpid()) in name for name in left):
+        return CheckFailed(
+            f"a save that failed left {left} beside the checkpoint. Its name holds the process id, "
+            "which a restarted job changes, so every job whose save fails leaves one more: "
+            + _hint("save_leaves_new_temp_each_failure") + ". " + _hint("save_leaves_temp_on_failure"))
+    return CheckFailed(
+        f"a save that failed left {left} beside the checkpoint. Its name is fixed, so the next save "
+        "overwrites it and no more pile up; but until a save succeeds, a half-written file as "
+        "large as the checkpoint lies beside it, and the exercise asks a failed save to leave the "
+        "previous checkpoint and nothing else. " + _hint("save_leaves_temp_on_failure"))
 
 
 @contextlib.contextmanager
