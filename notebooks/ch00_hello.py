@@ -35,13 +35,25 @@ def spawn_main(rank, world_size, port):
     dist.destroy_process_group()
 
 
+def spawn_on_a_free_port(world_size, attempts=3):
+    """free_port() only asks: another program can take the port before rank 0's store binds it."""
+    import torch.multiprocessing as mp
+
+    from course_utils import free_port
+
+    for attempt in range(1, attempts + 1):
+        port = free_port()
+        try:
+            mp.spawn(spawn_main, args=(world_size, port), nprocs=world_size, join=True)
+            return
+        except mp.ProcessRaisedException as e:   # mp.spawn has stopped the other processes
+            if "EADDRINUSE" not in str(e) or attempt == attempts:
+                raise
+            print(f"port {port} was taken before rank 0 could listen on it; trying another", flush=True)
+
+
 if __name__ == "__main__":
     if "--spawn" in sys.argv:
-        import torch.multiprocessing as mp
-
-        from course_utils import free_port
-
-        world_size = 2
-        mp.spawn(spawn_main, args=(world_size, free_port()), nprocs=world_size, join=True)
+        spawn_on_a_free_port(world_size=2)
     else:
         torchrun_main()
