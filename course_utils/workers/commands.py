@@ -7,8 +7,10 @@ import ctypes
 import dataclasses
 import os
 import selectors
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -76,10 +78,14 @@ def run_commands(
     notebook kernel dies, each command receives SIGTERM (``PR_SET_PDEATHSIG``), which torchrun
     forwards to its workers.  ``env`` adds variables to the current environment.  ``stagger``
     waits that many seconds between starts (to show, say, that rendezvous waits for everyone).
+
+    The commands get a temporary folder of their own (``TMPDIR``, unless ``env`` sets it), removed
+    when they are done: torchrun's log folders and whatever a killed process leaves there go with it.
     """
     if not isinstance(commands, dict):
         commands = {f"cmd{i}": c for i, c in enumerate(commands)}
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1")
+    scratch = tempfile.mkdtemp(prefix="course-commands-")
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=scratch)
     if env:
         full_env.update({k: str(v) for k, v in env.items()})
     procs: dict[str, subprocess.Popen] = {}
@@ -132,6 +138,7 @@ def run_commands(
             if p.stdout:
                 p.stdout.close()
         sel.close()
+        shutil.rmtree(scratch, ignore_errors=True)
     results = [
         CommandResult(n, None if n in still_running else procs[n].returncode,
                       "\n".join(outputs[n]), n in still_running)

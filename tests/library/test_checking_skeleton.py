@@ -222,3 +222,13 @@ def test_in_process_checkers_stop_an_answer_that_never_returns(monkeypatch):
             check(_never_returns)
         assert time.monotonic() - t < 10, str(e.value)
         assert "_never_returns" in str(e.value), str(e.value)
+
+
+def test_a_failed_check_shows_its_message_in_jupyter_and_the_whole_traceback_on_request(monkeypatch):
+    """IPython renders an exception with ``_render_traceback_`` by that method's lines alone."""
+    e = CheckFailed("[01.a training step] not done yet")
+    monkeypatch.delenv("COURSE_TRACEBACKS", raising=False)
+    (line,) = e._render_traceback_()
+    assert line.endswith("CheckFailed\x1b[0m: [01.a training step] not done yet")
+    monkeypatch.setenv("COURSE_TRACEBACKS", "full")
+    assert not hasattr(e, "_render_traceback_")  # IPython then shows its usual traceback

@@ -418,6 +418,18 @@ def test_run_commands_kills_the_whole_tree_on_timeout():
     assert res[0].timed_out and res[0].returncode is None
 
 
+def test_run_commands_gives_the_commands_a_temporary_folder_and_removes_it(tmp_path):
+    """torchrun leaves its log folder in TMPDIR, and a killed process its files: both go."""
+    script = 'mkdir "$TMPDIR/torchelastic_x" && echo "$TMPDIR" && sleep 300'
+    (res,) = run_commands({"n": ["bash", "-c", script]}, timeout=2, echo=False)
+    scratch = res.output.strip().splitlines()[0]
+    assert res.timed_out and os.path.basename(scratch).startswith("course-commands-")
+    assert not os.path.exists(scratch)
+    (res,) = run_commands({"n": ["bash", "-c", 'echo "$TMPDIR"']}, env={"TMPDIR": str(tmp_path)},
+                          echo=False)
+    assert res.output.strip() == str(tmp_path)  # a caller's TMPDIR wins
+
+
 def test_workers_see_debug_level_and_default_start_method():
     import multiprocessing
 
