@@ -74,6 +74,20 @@ def amp_clips_before_unscaling(model, optimizer, scaler, x, y, *, max_norm, amp_
     return loss.item()
 
 
+def amp_unscales_by_hand(model, optimizer, scaler, x, y, *, max_norm, amp_dtype):
+    with torch.autocast(x.device.type, dtype=amp_dtype):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    inv = 1.0 / scaler.get_scale()  # "unscaling is dividing by the scale"
+    for p in model.parameters():
+        p.grad.mul_(inv)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def amp_never_clips(model, optimizer, scaler, x, y, *, max_norm, amp_dtype):
     with torch.autocast(x.device.type, dtype=amp_dtype):
         loss = F.cross_entropy(model(x), y)
@@ -249,6 +263,8 @@ _RIGHT = [amp_zeroes_first_and_clips_in_two_calls, amp_model_zero_grad_and_float
 
 _WRONG = [
     (amp_clips_before_unscaling, r"(?s)differ from the reference.*clipping before scaler\.unscale_"),
+    (amp_unscales_by_hand, r"(?s)parameters after step 1.*differ from the reference.*divided by "
+                           r"scaler\.get_scale\(\) by hand and then unscaled a second time"),
     (amp_never_clips, r"(?s)the gradients were not clipped.*does not bound the gradients"),
     (amp_steps_the_optimizer_itself, r"(?s)parameters are now NaN on every rank.*optimizer\.step\(\) "
                                      r"instead of scaler\.step"),
@@ -328,6 +344,23 @@ def test_local_skip_is_named_fast():
     assert "step 2/3" in msg and "isfinite(loss)" in msg, msg
     assert "course_utils/checks" not in msg and "torch/nn/parallel" not in msg, msg
     assert took < 90, took
+
+
+@pytest.mark.parametrize("wrong, previous", [
+    (amp_never_updates, r"the previous step called scaler\.step\(optimizer\) but not scaler\.update\(\)"),
+    (amp_skips_nan_steps_by_hand, r"the previous step called scaler\.unscale_\(optimizer\) and returned "
+                                  r"before scaler\.update\(\) \(a step skipped by hand\)"),
+], ids=lambda w: getattr(w, "__name__", ""))
+def test_a_missing_update_is_named_in_a_real_launch(wrong, previous):
+    """check_amp_step lets the learner's exception end the launch: its message names the missing
+    update(), not a rank that returned early."""
+    with pytest.raises(CheckFailed) as e:
+        check_amp_step(wrong, amp_dtype=torch.float16)
+    msg = str(e.value)
+    assert re.search(r"(?s)your code raised RuntimeError: unscale_\(\).*This means " + previous + r".*in "
+                     + wrong.__name__ + r".*Usual mistake: .*update\(\) closes every step", msg), msg
+    assert CATALOGUE.hint(wrong.__name__) in msg
+    assert "returned early" not in msg and "waiting in DDP's all-reduce" not in msg, msg
 
 
 def test_detects_the_deprecated_api_where_it_is_called():

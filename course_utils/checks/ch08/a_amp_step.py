@@ -73,6 +73,13 @@ CATALOGUE = Catalogue(
         "multiplied by the scale and shrinks them far too much. Call scaler.unscale_(optimizer) "
         "first, then clip, then scaler.step(optimizer)."),
     Misconception(
+        "amp_unscales_by_hand", "dividing the gradients by scaler.get_scale() is unscaling",
+        "scaler.get_scale() was read, unscale_ never called, and scaler.step ran",
+        "the gradients were divided by scaler.get_scale() by hand and then unscaled a second time: "
+        "scaler.step(optimizer) calls unscale_ itself when you have not, so the step is the scale "
+        "times too small. Call scaler.unscale_(optimizer) instead of dividing (it also finds the "
+        "inf/NaN that scaler.step needs), then clip, then scaler.step(optimizer)."),
+    Misconception(
         "amp_never_clips", "GradScaler replaces clipping",
         "no clip_grad_norm_ in the step",
         "the gradients were not clipped: call torch.nn.utils.clip_grad_norm_(model.parameters(), "
@@ -150,6 +157,33 @@ _HINT = ("if a rank returned early: " + CATALOGUE.hint("amp_skips_locally_on_a_n
          + _NO_UPDATE)
 
 
+def _previous_step(message: str) -> str:
+    """What GradScaler's error ``message`` says the previous step did without scaler.update(), or
+    '' for any other error."""
+    if "since the last update()" in message:
+        return ("the previous step called scaler.unscale_(optimizer) and returned before "
+                "scaler.update() (a step skipped by hand)")
+    if "after step()" in message:
+        return "the previous step called scaler.step(optimizer) but not scaler.update()"
+    return ""
+
+
+def _raised(exc_type: str, message: str, frames: str) -> str:
+    """An exception of the learner's step, with the usual mistake when GradScaler names one."""
+    previous = _previous_step(message)
+    return (f"your code raised {exc_type}: {message}" + (f" This means {previous}." if previous else "")
+            + ("\n" + frames if frames else "") + (f"\nUsual mistake: {_NO_UPDATE}" if previous else ""))
+
+
+def _explain_error(failure) -> str | None:
+    """In a real launch, a GradScaler error about a missing update() names that cause (the
+    default hint would first suggest a rank that returned early)."""
+    if not _previous_step(failure.message):
+        return None
+    return f"rank {failure.rank}: " + _raised(failure.exc_type, failure.message,
+                                              learner_frames(failure.traceback))
+
+
 def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     X, Y = make_dataset(STEPS * WORLD * BATCH, seed=11).tensors
     start = (step * WORLD + rank) * BATCH
@@ -201,9 +235,10 @@ def _run(fn, dtype_name: str, rank: int, device: torch.device) -> list[dict]:
                     report(step=s + 1, total=STEPS)
                 ret = (fn or _reference_step)(model, opt, scaler, x, y, max_norm=MAX_NORM,
                                               amp_dtype=amp_dtype)
+                events = [] if rec is None else list(rec.events)  # before the checker's get_scale
                 steps.append({"params": state_to_cpu(model), "momentum": _momentum(opt, model),
                               "scale": scaler.get_scale(), "returned": as_float(ret),
-                              "dtypes": list(seen), "events": [] if rec is None else list(rec.events),
+                              "dtypes": list(seen), "events": events,
                               "deprecated": [] if rec is None else list(rec.deprecated)})
                 if rec is not None and "allreduce" not in rec.events and seen:
                     # This rank ran no backward through DDP: its peer now waits for it in the
@@ -233,11 +268,8 @@ def _amp_worker(fns: list, dtype_names: list[str], catch: bool) -> Outcome:
                 except Exception as e:
                     if not catch:
                         raise
-                    hint = (f"\nUsual mistake: {_NO_UPDATE}"
-                            if "update()" in str(e) or "after step()" in str(e) else "")
-                    data["answers"][i][name] = Outcome(
-                        pg.rank, problem=f"your code raised {type(e).__name__}: {e}\n"
-                                         + learner_frames(traceback.format_exc()) + hint)
+                    data["answers"][i][name] = Outcome(pg.rank, problem=_raised(
+                        type(e).__name__, str(e), learner_frames(traceback.format_exc())))
                     continue
                 data["answers"][i][name] = Outcome(pg.rank, data={"steps": steps})
                 if steps and steps[-1].get("left"):
@@ -251,9 +283,12 @@ def _order_problem(events: list) -> str:
     if "scale" not in names:
         return CATALOGUE.hint("amp_without_the_scaler")
     if "optimizer.step" in names and "scaler.step" not in names:
-        if "unscale_" not in names:
+        if "unscale_" not in names and "get_scale" not in names:
             return CATALOGUE.hint("amp_steps_on_scaled_gradients")
         return CATALOGUE.hint("amp_steps_the_optimizer_itself")
+    if ("unscale_" not in names and "get_scale" in names and "scaler.step" in names
+            and names.index("get_scale") < names.index("scaler.step")):
+        return CATALOGUE.hint("amp_unscales_by_hand")
     if "clip" not in names:
         return CATALOGUE.hint("amp_never_clips")
     if "unscale_" not in names or names.index("clip") < names.index("unscale_"):
@@ -381,7 +416,8 @@ def check_amp_step(fn, *, amp_dtype: torch.dtype | None = None, timeout: float =
     _check_signature(fn)
     names = [str(amp_dtype).replace("torch.", "")] if amp_dtype is not None else list(DTYPES)
     outcomes = judge(run_workers(_amp_worker, WORLD, args=([fn], names, False), timeout=timeout,
-                                 hang_hint=_HINT, error_hint=_HINT), world=WORLD)
+                                 hang_hint=_HINT, error_hint=_HINT, explain_error=_explain_error),
+                     world=WORLD)
     _judge([o.data["answers"][0] for o in outcomes], [o.data["ref"] for o in outcomes],
            outcomes[0].data["device"])
     print(f"amp_step: on {WORLD} ranks, {STEPS} steps each in {' and '.join(names)}; autocast, "

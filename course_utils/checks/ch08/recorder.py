@@ -3,9 +3,10 @@
 - ``deprecated_amp_calls(log)`` notes each use of the deprecated ``torch.cuda.amp.autocast`` /
   ``GradScaler`` (the calls still run);
 - ``Recorder(model, optimizer, scaler)`` turns one step into a list of events: ``('autocast',
-  device, dtype)``, ``'scale'``, ``'unscale_'``, ``'clip'``, ``'scaler.step'``,
+  device, dtype)``, ``'scale'``, ``'get_scale'``, ``'unscale_'``, ``'clip'``, ``'scaler.step'``,
   ``'optimizer.step'``, ``'update'``, ``'zero_grad'``, and ``'allreduce'`` when this rank's backward
-  reached DDP's all-reduce.
+  reached DDP's all-reduce.  The ``unscale_`` and ``optimizer.step`` that ``scaler.step`` calls
+  itself are not events: the list holds the learner's own calls.
 
 Both are context managers that put back everything they replaced, also when the step raised.
 """
@@ -75,7 +76,8 @@ class Recorder:
                 stack.enter_context(mock.patch.object(owner, name, f))
 
             wrap(scaler, "scale", "scale")
-            wrap(scaler, "unscale_", "unscale_")
+            wrap(scaler, "get_scale", "get_scale")
+            wrap(scaler, "unscale_", "unscale_", guard=True)
             wrap(scaler, "step", "scaler.step")
             wrap(scaler, "update", "update")
             wrap(opt, "step", "optimizer.step", guard=True)
