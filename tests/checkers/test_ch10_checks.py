@@ -44,7 +44,8 @@ def _names_the_mistake(check, answer, mistake, fragment):
 
 
 def bucketed(*, forward=False, start_at_first=False, wait_in_hook=False, average=True,
-             copy_back=True, reset=True, start_in_finish=False, broadcast=True, per_param=False):
+             copy_back=True, reset=True, start_in_finish=False, broadcast=True, per_param=False,
+             wait=True):
     """A learner's DDPBucketed, with switches that reproduce the usual mistakes."""
 
     class Bucketed(nn.Module):
@@ -94,7 +95,8 @@ def bucketed(*, forward=False, start_at_first=False, wait_in_hook=False, average
                 for i in range(len(self.buckets)):
                     self.launch(i)
             for i, flat, work in self.works:
-                work.wait()
+                if wait:
+                    work.wait()
                 if average:
                     flat /= self.world
                 if copy_back:
@@ -226,6 +228,8 @@ WRONG_BUCKETED = {
     "no_copy_back": ({"copy_back": False}, r"never copied back into the parameters' \.grad"),
     "no_broadcast": ({"broadcast": False}, r"right after construction.*no broadcast of rank 0's parameters"),
     "per_param": ({"per_param": True}, r"one all-reduce per parameter"),
+    "no_wait": ({"wait": False}, r"step 1: \d+ of \d+ asynchronous all-reduces were never waited for: "
+                                 r"finish_gradient_synchronization\(\) did not wait"),
 }
 
 

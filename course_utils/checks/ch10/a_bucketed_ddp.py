@@ -66,6 +66,14 @@ CATALOGUE = Catalogue(
         "so backward stalls at every bucket: no overlap. Use dist.all_reduce(flat, async_op=True), "
         "keep the handle, and wait in finish_gradient_synchronization()."),
     Misconception(
+        "no_wait", "an asynchronous all-reduce is done once it has started",
+        "a handle of an asynchronous all-reduce was never waited for by the end of "
+        "finish_gradient_synchronization()",
+        "finish_gradient_synchronization() did not wait for the handles of the asynchronous "
+        "all-reduces, so it read the flat tensors while the all-reduce may still have been writing "
+        "them (an async call returns before its work is done). Call work.wait() on every handle "
+        "before you divide and copy back."),
+    Misconception(
         "start_at_first", "a bucket can start when its first gradient is ready",
         "an all-reduce starts with more elements sent than gradient elements ready",
         "a bucket was all-reduced before all of its gradients were ready (its other gradients are "
@@ -197,6 +205,7 @@ def _run_case(cls: Any, name: str, init: torch.nn.Module, cap: float, rank: int,
     for s, (x, y) in enumerate(batches):
         opt.zero_grad(set_to_none=s % 2 == 0)  # odd steps zero .grad in place
         spy.clear()
+        spy.step = s
         ready.order = []
         if hasattr(wrapped, "on_train_batch_start"):
             wrapped.on_train_batch_start()
@@ -215,6 +224,7 @@ def _run_case(cls: Any, name: str, init: torch.nn.Module, cap: float, rank: int,
             "reduces": [{"phase": c.phase, "async": c.async_op, "numel": c.tensor.numel(),
                          "ready": c.extra["ready"]} for c in watched],
             "waited_in_backward": any(c.waited_in_phase == "backward" for c in watched),
+            "unwaited": sum(c.async_op and not c.waited_during(s) for c in watched),
             "ready": list(ready.order), "grads": diff_table(ref_grads[s], grads),
             "unchanged": close(local, grads, atol=0.0) and not close(local, ref_grads[s]),
             "ratio": _ratio(ref_grads[s], grads)})
@@ -302,6 +312,9 @@ def _judge_case(rank: int, case: dict) -> None:
             raise CheckFailed(f"{where}: {_hint('start_in_finish')}")
         if step["waited_in_backward"] or any(not e["async"] for e in in_bw):
             raise CheckFailed(f"{where}: {_hint('wait_in_hook')}")
+        if step["unwaited"]:
+            raise CheckFailed(f"{at}: {step['unwaited']} of {sum(e['async'] for e in reduces)} "
+                              f"asynchronous all-reduces were never waited for: {_hint('no_wait')}")
         sent = 0
         for e in in_bw:
             sent += e["numel"]
