@@ -57,8 +57,9 @@ import pickle
 import selectors
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -253,8 +254,33 @@ def launch(
         shown = display(world) if display is not None else _NoDisplay()
         return _Supervisor(ranks, sel, shown, world).run(timeout, finish_within)
     finally:
-        _shutdown(ranks, sel, alive_writers)
-        del store
+        try:
+            with _interrupts_deferred():  # a second Ctrl-C must not cut the clean-up short
+                _shutdown(ranks, sel, alive_writers)
+        finally:
+            # A kept traceback (IPython keeps the last one) holds this frame: the store must go
+            # here, or its port stays bound as long as the kernel lives.
+            del store
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT back while the block runs; raise KeyboardInterrupt after it if one came."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are delivered to the main thread only
+        return
+    came: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if not came or previous == signal.SIG_IGN:
+        return
+    if callable(previous):
+        previous(signal.SIGINT, came[0])  # Python's own handler raises KeyboardInterrupt
+    else:  # SIG_DFL: what the signal would have done
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def _check_seconds(name: str, value: Any) -> None:

@@ -278,9 +278,9 @@ def _default_sigint() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def _start_driver(tmp_path: Path) -> tuple[subprocess.Popen, list[int], int]:
+def _start_driver(tmp_path: Path, code: str = _DRIVER) -> tuple[subprocess.Popen, list[int], int]:
     script = tmp_path / "driver.py"
-    script.write_text(_DRIVER)
+    script.write_text(code)
     marker = str(tmp_path / "pid")
     proc = subprocess.Popen([sys.executable, str(script), marker], stdout=subprocess.PIPE,
                             text=True, preexec_fn=_default_sigint)
@@ -321,6 +321,43 @@ def test_keyboard_interrupt_stops_every_worker_and_frees_the_port(tmp_path):
             _wait_gone(pids, port)
     assert proc.returncode == 7 and "interrupted" in out
     _wait_gone(pids, port)
+
+
+# Like IPython, the driver keeps every KeyboardInterrupt (and so the frames of its traceback) and
+# lives on after it; a second Ctrl-C that lands while launch cleans up must not stop the clean-up.
+_KEEPING_DRIVER = _DRIVER.replace("""try:
+    launch(work, 2, args=(sys.argv[1],), timeout=300)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(7)
+""", """import signal
+kept = []
+while True:
+    try:
+        if not kept:
+            launch(work, 2, args=(sys.argv[1],), timeout=300)
+        break
+    except KeyboardInterrupt as e:
+        kept.append(e)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+print("interrupted", len(kept), flush=True)
+time.sleep(120)
+""")
+assert _KEEPING_DRIVER != _DRIVER
+
+
+@pytest.mark.parametrize("gap", [0.002, 0.005, 0.01])
+def test_two_quick_keyboard_interrupts_still_stop_every_worker_and_free_the_port(tmp_path, gap):
+    proc, pids, port = _start_driver(tmp_path, _KEEPING_DRIVER)
+    try:
+        proc.send_signal(signal.SIGINT)
+        time.sleep(gap)
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline().startswith("interrupted")
+        _wait_gone(pids, port)  # while the driver lives on, holding the tracebacks
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_kernel_death_takes_the_workers_with_it(tmp_path):
