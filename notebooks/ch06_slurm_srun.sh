@@ -8,6 +8,9 @@
 #   GROUP_RANK = SLURM_NODEID   MASTER_ADDR = the first node (task 0 runs there and hosts the store)
 # What is lost: torchrun's restarts (--max-restarts). A failed worker ends the step (srun
 # --kill-on-bad-exit) and the job; requeueing it (--requeue) resumes from the checkpoint.
+# GPUs: with --gpus-per-node every task sees all the node's GPUs and takes cuda:LOCAL_RANK. With
+# per-task binding (--gpus-per-task=1, --gpu-bind=...) a task sees only its own GPU, as cuda:0;
+# ch06_train.py notices (CUDA_VISIBLE_DEVICES names one device) and takes cuda:0.
 #SBATCH --job-name=ch06-ddp-srun
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4

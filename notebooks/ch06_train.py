@@ -86,10 +86,26 @@ def setup(timeout):
     """Bind the device from LOCAL_RANK first, then join the group (env:// from the launcher)."""
     if "RANK" not in os.environ:  # plain `python ch06_train.py`: train alone
         return torch.device("cuda" if torch.cuda.is_available() else "cpu"), False
-    backend, device = course_utils.backend_and_device()  # set_device(LOCAL_RANK)
+    if slurm_bound_one_gpu() and torch.cuda.is_available():
+        # This task sees only its own GPU, as cuda:0: cuda:LOCAL_RANK would name one it lacks.
+        torch.cuda.set_device(0)
+        backend, device = "nccl", torch.device("cuda", 0)
+    else:
+        backend, device = course_utils.backend_and_device()  # set_device(LOCAL_RANK)
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
                             timeout=datetime.timedelta(seconds=timeout))
     return device, True
+
+
+def slurm_bound_one_gpu(env=os.environ):
+    """True when Slurm gave this task a GPU of its own (srun --gpus-per-task=1, --gpu-bind=...).
+
+    Without binding, every task of a node sees all its GPUs (CUDA_VISIBLE_DEVICES=0,1,2,3) and
+    takes cuda:LOCAL_RANK.  With per-task binding Slurm sets CUDA_VISIBLE_DEVICES to the task's
+    GPU alone, which CUDA then numbers 0, whatever its index on the node.
+    """
+    visible = env.get("CUDA_VISIBLE_DEVICES", "")
+    return "SLURM_PROCID" in env and visible != "" and "," not in visible
 
 
 def show_env():
@@ -129,6 +145,9 @@ def save_checkpoint(path, model, optimizer, step):
     The bytes go to a temporary file in the same directory (same file system, so the rename
     cannot turn into a copy), are forced to disk, and only then replace ``path`` with
     ``os.replace``, which is atomic: a reader sees the old file or the new one, never half.
+    The rename itself is a change to the directory, forced to disk last: without that, a power
+    failure just after the save can bring back the old name's entry although the new bytes
+    were written.
     """
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
     folder = os.path.dirname(os.path.abspath(path))
@@ -143,6 +162,11 @@ def save_checkpoint(path, model, optimizer, step):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    directory = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def load_checkpoint(path, model, optimizer, device):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -116,3 +117,36 @@ def test_atomic_save_keeps_the_previous_checkpoint_when_a_save_fails(tmp_path):
     assert train.load_checkpoint(path, fresh, torch.optim.Adam(fresh.parameters()), "cpu") == 10
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
+
+
+def test_atomic_save_forces_the_directory_to_disk_after_the_rename(tmp_path, monkeypatch):
+    import stat
+
+    train = _load("ch06_train")
+    from course_utils.data import make_model
+
+    synced, real_fsync = [], os.fsync
+
+    def recording_fsync(fd):
+        mode = os.fstat(fd).st_mode
+        synced.append(("directory" if stat.S_ISDIR(mode) else "file",
+                       sorted(p.name for p in tmp_path.iterdir())))
+        real_fsync(fd)
+
+    monkeypatch.setattr(train.os, "fsync", recording_fsync)
+    model = make_model(seed=0)
+    train.save_checkpoint(str(tmp_path / "ckpt.pt"), model, torch.optim.Adam(model.parameters()), 10)
+    kinds = [kind for kind, _ in synced]
+    assert kinds == ["file", "directory"], synced
+    assert synced[1][1] == ["ckpt.pt"], "the directory is synced after the rename, not before"
+
+
+@pytest.mark.parametrize("env, bound", [
+    ({"SLURM_PROCID": "3", "CUDA_VISIBLE_DEVICES": "3"}, True),        # --gpus-per-task=1
+    ({"SLURM_PROCID": "3", "CUDA_VISIBLE_DEVICES": "0"}, True),        # the same, cgroup-constrained
+    ({"SLURM_PROCID": "3", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, False),  # --gpus-per-node, no binding
+    ({"SLURM_PROCID": "0"}, False),                                     # no GPUs
+    ({"CUDA_VISIBLE_DEVICES": "1"}, False),                             # not under Slurm
+])
+def test_a_slurm_task_bound_to_one_gpu_is_recognised(env, bound):
+    assert _load("ch06_train").slurm_bound_one_gpu(env) is bound
