@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -287,7 +288,8 @@ def test_speed_verdict_follows_the_median_and_the_quartiles(ratios, within, firm
 # ------------------------------------------------------------------------------------------
 
 
-def sharded(*, shard=True, sync=True, from_owner=True, override_add=True, reread=False, kwargs=True):
+def sharded(*, shard=True, sync=True, from_owner=True, override_add=True, reread=False, kwargs=True,
+            owner_sends=True, by_kind=False):
     """A learner's ShardedOptimizer (round-robin owners), with switches for the usual mistakes."""
 
     class Sharded(torch.optim.Optimizer):
@@ -308,7 +310,8 @@ def sharded(*, shard=True, sync=True, from_owner=True, override_add=True, reread
             g = self.param_groups[-1]
             n = sum(len(x["params"]) for x in self.param_groups[:-1])
             for j, p in enumerate(g["params"]):
-                self.owners[p] = (n + j) % dist.get_world_size()
+                # by_kind: "weights on rank 0, biases on rank 1"
+                self.owners[p] = int(p.dim() == 1) if by_kind else (n + j) % dist.get_world_size()
             mine = [p for p in g["params"] if not shard or self.owners[p] == dist.get_rank()]
             opts = {k: v for k, v in g.items() if k != "params"} if kwargs else {"lr": g["lr"]}
             self.inner.append(self.cls([{"params": mine, **opts}]))
@@ -319,7 +322,8 @@ def sharded(*, shard=True, sync=True, from_owner=True, override_add=True, reread
             if sync:
                 with torch.no_grad():
                     for p, owner in self.owners.items():
-                        dist.broadcast(p, src=owner if from_owner else 0)
+                        if owner_sends or owner != dist.get_rank():  # "the owner has them already"
+                            dist.broadcast(p, src=owner if from_owner else 0)
 
     return Sharded
 
@@ -381,6 +385,9 @@ WRONG_SHARDED = {
     "no_add_param_group": ({"override_add": False}, r"add_param_group\(\) not overridden"),
     "generator_read_twice": ({"reread": True}, r"generator.*read once"),
     "no_kwargs": ({"kwargs": False}, r"keyword arguments.*not passed on"),
+    "owner_skips_broadcast": ({"owner_sends": False},
+                              r"after 30 s rank\(s\) 0, 1 were still running.*broadcast.*Usual mistake: "
+                              r"dist\.broadcast is a collective: the source rank calls it too"),
 }
 
 
@@ -400,6 +407,29 @@ def test_memory_measurement_adds_up_and_explains_the_floor(capsys):
     assert course["lower_bound"] > 0.75 * course["unsharded"]  # one 192x192 weight dominates
     out = capsys.readouterr().out
     assert "net.2.weight (36,864 elements)" in out and "close to it" in out
+
+
+def test_memory_measurement_refuses_at_once_what_the_check_saw_hang():
+    hangs = sharded(owner_sends=False)
+    with pytest.raises(CheckFailed, match=r"still running"):
+        check_sharded_optimizer(hangs, timeout=5)
+    start = time.monotonic()
+    with pytest.raises(CheckFailed, match=r"not measured: check_sharded_optimizer rejected this "
+                                          r"ShardedOptimizer \(your code hung: after 5 s"):
+        measure_sharded_memory(hangs)
+    assert time.monotonic() - start < 1.0
+
+
+def test_memory_measurement_blames_an_uneven_assignment_on_the_assignment(capsys):
+    by_kind = sharded(by_kind=True)  # weights on rank 0, biases on rank 1: right, but lopsided
+    check_sharded_optimizer(by_kind)
+    course, equal = measure_sharded_memory(by_kind)
+    assert max(equal["per_rank"]) > 0.95 * equal["unsharded"]
+    assert equal["largest_first"] < 0.55 * equal["unsharded"]
+    out = capsys.readouterr().out
+    assert re.search(r"The fullest rank holds 9\d%, against the ideal 50%, because of how the parameters "
+                     r"were assigned to ranks, not because whole tensors are: dealing them out largest "
+                     r"first.*leaves the fullest rank 5\d% here", " ".join(out.split())), out
 
 
 def test_memory_measurement_says_when_nothing_is_sharded(capsys):

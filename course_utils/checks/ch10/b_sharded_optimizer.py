@@ -31,7 +31,7 @@ from ...checking import (
     run_workers,
 )
 from ...data import make_dataset, make_model
-from ...measure.ch10 import optimizers_in
+from ...measure.ch10 import note_sharded_verdict, optimizers_in
 from .common import ATOL, STEPS, WORLD, frozen_and_tied
 
 __all__ = ["CATALOGUE", "check_sharded_optimizer"]
@@ -65,6 +65,13 @@ CATALOGUE = Catalogue(
         "a parameter broadcast from rank 0 instead of from the rank that owns (and stepped) it, or "
         "a group's lr not used."),
     Misconception(
+        "owner_skips_broadcast", "the owner already holds the new values, so only the others call "
+        "broadcast",
+        "the launch hangs: every rank waits in a broadcast whose source never calls it",
+        "dist.broadcast is a collective: the source rank calls it too (it sends, the others "
+        "receive). Every rank must call dist.broadcast(p, src=owner) for every parameter, in the "
+        "same order, the owner included."),
+    Misconception(
         "no_sharding", "every rank needs the whole optimizer",
         "parameters with optimizer state on both ranks",
         "every rank steps an optimizer over all parameters; give the inner optimizer only the "
@@ -73,6 +80,9 @@ CATALOGUE = Catalogue(
 _hint = CATALOGUE.hint
 
 _KW = {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.8, 0.95)}
+# The workers' work (two models, three steps, beside AdamW) takes about 2 s on a 2-core machine
+# under a load of 5; a launch still running after this long hangs.
+TIMEOUT = 30.0
 _LR2 = 5e-3
 
 
@@ -144,15 +154,25 @@ def _worker(cls: Any) -> Outcome:
 
 
 @checker("10.b sharded optimizer")
-def check_sharded_optimizer(ShardedOptimizer: Any, *, timeout: float = 120.0) -> None:
+def check_sharded_optimizer(ShardedOptimizer: Any, *, timeout: float = TIMEOUT) -> None:
     """Step ``ShardedOptimizer(params, torch.optim.AdamW, lr=..., weight_decay=0.1, betas=...)``
     on 2 ranks, the params given as a generator, a second group added with ``add_param_group``,
-    beside plain AdamW; compare after every step and look at where the state lives."""
+    beside plain AdamW; compare after every step and look at where the state lives.  The verdict
+    is noted for ``measure_sharded_memory``, which refuses a class rejected here."""
     require_callable(ShardedOptimizer, "the class ShardedOptimizer(params, optimizer_cls, **kwargs)")
+    try:
+        _check(ShardedOptimizer, timeout)
+    except CheckFailed as e:
+        note_sharded_verdict(ShardedOptimizer, str(e) or "failed")
+        raise
+    note_sharded_verdict(ShardedOptimizer, "")
+
+
+def _check(ShardedOptimizer: Any, timeout: float) -> None:
     outcomes = run_workers(
         _worker, WORLD, args=(ShardedOptimizer,), timeout=timeout,
-        hang_hint=("the ranks disagree on who owns a parameter, or one rank skips a broadcast: each "
-                   "rank must broadcast every parameter, in the same order, from its owner."),
+        hang_hint=("the ranks disagree on who owns a parameter, or a rank skips a broadcast. Usual "
+                   "mistake: " + _hint("owner_skips_broadcast")),
         error_hint=_hint("generator_read_twice"))
     per_rank = [o.data["cases"] for o in judge(outcomes, world=WORLD)]
     for i in range(len(per_rank[0])):
