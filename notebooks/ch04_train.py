@@ -138,6 +138,7 @@ def train(args, device, distributed):
               f"{args.batch_size * world}, device {device}")
 
     step, acc = start * len(loader), None
+    steps_in_run = args.epochs * len(loader)  # gives the notebook's progress bar its length
     for epoch in range(start, args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
@@ -150,7 +151,7 @@ def train(args, device, distributed):
             optimizer.step()
             step += 1
             total, n = total + loss.item(), n + 1
-            course_utils.report(step=step, epoch=epoch, loss=loss.item())
+            course_utils.report(step=step, total=steps_in_run, epoch=epoch, loss=loss.item())
         save_checkpoint(args.checkpoint, model, optimizer, epoch)
         acc = evaluate(model, x_val, y_val, device, rank, world)
         if rank == 0:

@@ -38,6 +38,7 @@ from ..checking import (
     process_group,
     require_callable,
     run_workers,
+    time_limit,
 )
 from ..data import make_sequences
 from ..measure.ch05 import padding_waste
@@ -265,6 +266,16 @@ def check_bucket_sampler(BucketBatchSampler: Any, *, timeout: float = 120.0) -> 
     require_callable(BucketBatchSampler,
                      "the class BucketBatchSampler(lengths, batch_size, num_replicas, rank, seed)")
     lengths = list(make_sequences(_N, seed=1).lengths)
+    with time_limit(None, "BucketBatchSampler, run in this notebook's process,"):
+        waste, random_waste = _check_in_process(BucketBatchSampler, lengths)
+    _check_in_workers(BucketBatchSampler, lengths, timeout)
+    print(f"BucketBatchSampler: disjoint, equal-length shards on {' and '.join(map(str, _WORLDS))} "
+          f"ranks, reshuffled each epoch, padding {100 * waste:.0f}% (random batching "
+          f"{100 * random_waste:.0f}%), agreed across real processes")
+
+
+def _check_in_process(BucketBatchSampler: Any, lengths: list[int]) -> tuple[float, float]:
+    """Every world size and epoch in this process: shards, reshuffling, determinism, padding."""
     for world in _WORLDS:
         epochs = [_epoch_batches(BucketBatchSampler, lengths, world, e) for e in range(_EPOCHS)]
         for e, per_rank in enumerate(epochs):
@@ -303,10 +314,7 @@ def check_bucket_sampler(BucketBatchSampler: Any, *, timeout: float = 120.0) -> 
                 f"world size {world}: {100 * waste:.0f}% of the padded batches is padding (random "
                 f"batching: {100 * random_waste:.0f}%; required: at most {100 * _MAX_WASTE:.0f}%). "
                 + _hint("NoBucketing"))
-    _check_in_workers(BucketBatchSampler, lengths, timeout)
-    print(f"BucketBatchSampler: disjoint, equal-length shards on {' and '.join(map(str, _WORLDS))} "
-          f"ranks, reshuffled each epoch, padding {100 * waste:.0f}% (random batching "
-          f"{100 * random_waste:.0f}%), agreed across real processes")
+    return waste, random_waste
 
 
 def _worker(cls_bytes: bytes, lengths: list[int]) -> Outcome:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .settings import SETTINGS
@@ -31,7 +32,8 @@ def fmt_metrics(m: dict, *, sep: str = " · ", eq: str = " ", skip: tuple = ()) 
 class RankState:
     """One rank's reports, reduced to what a display needs."""
 
-    __slots__ = ("count", "step", "total", "latest", "xs", "ys", "stride", "last_point")
+    __slots__ = ("count", "step", "total", "latest", "xs", "ys", "stride", "last_point", "first_seen",
+                 "last_seen")
 
     def __init__(self) -> None:
         self.count = 0
@@ -42,11 +44,16 @@ class RankState:
         self.ys: list = []
         self.stride = 1  # keep one point in ``stride`` once SETTINGS.MAX_POINTS was reached
         self.last_point: tuple | None = None
+        self.first_seen: tuple[float, Any] | None = None  # (arrival time, step) of the first step report
+        self.last_seen = 0.0
 
     def add(self, metrics: dict, plot_key: str) -> None:
         self.count += 1
         if "step" in metrics:
             self.step = metrics["step"]
+            self.last_seen = time.monotonic()
+            if self.first_seen is None and is_number(self.step):
+                self.first_seen = (self.last_seen, self.step)
         if "total" in metrics:
             self.total = metrics["total"]
         self.latest = metrics
@@ -68,6 +75,21 @@ class RankState:
             xs.append(self.last_point[0])
             ys.append(self.last_point[1])
         return xs, ys
+
+    def pace(self) -> str:
+        """``9.5 steps/s, about 12 s left``: measured between the first and the latest step report
+        (as they arrived here); ``""`` until there are two reports 0.2 s apart."""
+        if self.first_seen is None or not is_number(self.step):
+            return ""
+        t0, s0 = self.first_seen
+        seconds, steps = self.last_seen - t0, self.step - s0
+        if seconds < 0.2 or steps <= 0:
+            return ""
+        rate = steps / seconds
+        text = f"{rate:.3g} steps/s"
+        if is_number(self.total) and self.total > self.step:
+            text += f", about {max(1, round((self.total - self.step) / rate))} s left"
+        return text
 
     def where(self) -> str:
         """How far the rank got, in words that depend only on the steps reached."""

@@ -93,6 +93,8 @@ class WidgetDisplay(Recorder):
             text = html.escape(st.where())
             shown = fmt_metrics(st.latest, skip=("step", "total"))
             if failures is None:
+                pace = st.pace()
+                text += f" ({pace})" if pace else ""
                 label.value = f"{text} · {html.escape(shown)}" if shown else text
                 continue
             f = failures.get(rank)

@@ -358,3 +358,21 @@ def test_none_and_single_indices_are_rejected_clearly():
         check_bucket_sampler(None)
     with pytest.raises(CheckFailed, match=r"yielded \d+, a single index; a batch sampler yields lists"):
         check_bucket_sampler(YieldsIndices)
+
+
+def test_a_sampler_that_never_returns_is_stopped_with_the_line_it_was_on(monkeypatch):
+    """The checker builds and iterates the sampler in the notebook's process first: bounded."""
+    import time
+
+    from course_utils.checking import limits
+
+    class Sleeps(Right):  # a constructor that waits for something that never comes
+        def __init__(self, *args, **kwargs):
+            while True:
+                time.sleep(0.05)
+
+    monkeypatch.setattr(limits, "IN_PROCESS_LIMIT", 2.0)
+    t = time.monotonic()
+    with pytest.raises(CheckFailed, match="did not return within 2 s") as e:
+        check_bucket_sampler(Sleeps)
+    assert time.monotonic() - t < 15 and "__init__" in str(e.value)

@@ -514,3 +514,17 @@ def test_headless_fallback_is_deterministic_under_nbval(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert "3 passed" in res.stdout
+
+
+def test_the_live_pace_is_the_rate_between_the_first_and_latest_step_and_gives_the_time_left(monkeypatch):
+    from course_utils.monitor import state
+
+    clock = iter([100.0, 100.1, 102.0])
+    monkeypatch.setattr(state.time, "monotonic", lambda: next(clock))
+    st = state.RankState()
+    st.add({"step": 1, "total": 41, "loss": 2.0}, "loss")
+    assert st.pace() == ""  # one report: no rate yet
+    st.add({"step": 2, "total": 41}, "loss")
+    assert st.pace() == ""  # 0.1 s apart: too short to say
+    st.add({"step": 21, "total": 41}, "loss")
+    assert st.pace() == "10 steps/s, about 2 s left"  # 20 steps in 2 s, 20 to go
