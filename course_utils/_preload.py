@@ -13,10 +13,16 @@ import torch  # noqa: F401
 # every worker of every launch unless the fork server has imported it once, here.
 import torch._dynamo  # noqa: F401
 import torch.distributed  # noqa: F401
+
+# DTensor, DCP and FSDP (chapters 10 to 12) take about 1.2 s to import: the checkers' and lessons'
+# workers that use them would import them in each worker unless the fork server has, once, here.
+# (The kernel does not import them with course_utils.checks, so that its import stays quick.)
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
 import torch.nn  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
-# The checkers' workers are functions of course_utils.checks: unpickling one imports the whole
-# index, and with it DTensor, pipelining and FSDP (chapters 11 and 12), about 1 s per worker.
+# The checkers' workers are functions of course_utils.checks: unpickling one imports the whole index.
 import course_utils.checks  # noqa: F401
 import course_utils.workers.entry  # noqa: F401

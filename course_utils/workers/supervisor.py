@@ -39,9 +39,12 @@ How it works, in the order things happen:
    - if the launcher (the notebook kernel) dies, a pipe closes and each worker's watchdog thread
      kills its descendants and its group; a stopped worker, whose thread cannot run, is SIGKILLed
      when the fork server exits with the kernel (``tree.die_with_parent``);
-   - not covered: a descendant of a worker that died of its own SIGKILL (its orphans go to init),
-     and a process that moved itself out of reach (another user, a ``PR_SET_CHILD_SUBREAPER``
-     of its own).
+   - a worker that died of SIGKILL (its own, the OOM killer's) cannot end its tree, and init
+     adopts its orphans: every worker's environment holds ``COURSE_LAUNCH_ID``, and at the end
+     the launcher kills every process whose environment holds this launch's value;
+   - not covered: such an orphan that cleared its environment or was forked without ``exec``
+     (its ``/proc/PID/environ`` predates the variable), and a process that moved itself out of
+     reach (another user, a ``PR_SET_CHILD_SUBREAPER`` of its own).
 
    On any exit from ``launch`` (success, failure, KeyboardInterrupt) every worker is reaped and
    every pipe and the store's socket are closed.
@@ -232,6 +235,8 @@ def launch(
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_RUN_ID": f"course-{os.getpid()}-{port}",
         "COURSE_LAUNCHER": "1",
+        # Inherited by every program a worker starts: found again if its worker dies (tree.marked).
+        MARKER: f"{os.getpid()}-{port}-{time.monotonic_ns()}",
     }
     cwd, sys_path, lines = os.getcwd(), list(sys.path), linecache_snapshot()
 
@@ -257,6 +262,7 @@ def launch(
         try:
             with _interrupts_deferred():  # a second Ctrl-C must not cut the clean-up short
                 _shutdown(ranks, sel, alive_writers)
+                tree.kill_marked(MARKER, common[MARKER])  # what a dead worker left to init
         finally:
             # A kept traceback (IPython keeps the last one) holds this frame: the store must go
             # here, or its port stays bound as long as the kernel lives.
@@ -281,6 +287,9 @@ def _interrupts_deferred() -> Iterator[None]:
         previous(signal.SIGINT, came[0])  # Python's own handler raises KeyboardInterrupt
     else:  # SIG_DFL: what the signal would have done
         os.kill(os.getpid(), signal.SIGINT)
+
+
+MARKER = "COURSE_LAUNCH_ID"
 
 
 def _check_seconds(name: str, value: Any) -> None:

@@ -11,6 +11,8 @@ process it started, at any depth, whatever their session or process group.
 - ``end_descendants``: the worker's last act, after it has sent its result: SIGTERM to every
   descendant, ``GRACE`` seconds, then SIGKILL, and reap them;
 - ``kill_descendants``: the same at once, when the worker learns that its launcher died;
+- ``marked`` and ``kill_marked``: the processes that inherited a launch's marker variable, found
+  even after the worker that started them died (SIGKILLed) and init adopted them;
 - ``kill_tree``: the launcher's way to end a worker that is still running: stop the worker and
   every descendant (SIGSTOP cannot be ignored, and a stopped process cannot fork), list the tree
   again until nothing new appears, then SIGKILL them all (SIGKILL acts on stopped processes).
@@ -25,7 +27,7 @@ import signal
 import time
 
 __all__ = ["GRACE", "become_subreaper", "descendants", "die_with_parent", "end_descendants",
-           "kill_descendants", "kill_tree", "state"]
+           "kill_descendants", "kill_marked", "kill_tree", "marked", "state"]
 
 GRACE = 0.3  # seconds a descendant gets between SIGTERM and SIGKILL
 _PR_SET_CHILD_SUBREAPER = 36
@@ -135,3 +137,32 @@ def kill_tree(pid: int) -> None:
 def kill_descendants() -> None:
     """In a worker whose launcher is gone: SIGKILL every descendant at once, no grace."""
     _stop_and_kill(os.getpid(), [])
+
+
+def marked(name: str, value: str) -> list[int]:
+    """Processes of this user whose environment, as they were started, holds ``name=value``.
+
+    The launcher gives every worker of a launch one such variable: a program a worker started
+    inherits it, so the launcher finds it again even after the worker died without ending it (a
+    worker SIGKILLed, by itself or by the OOM killer, leaves its children to init).  It misses a
+    descendant that cleared its environment, and one forked without ``exec`` (its ``environ``
+    is its parent's, from before the variable was set).
+    """
+    needle = b"\0" + f"{name}={value}".encode() + b"\0"
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as f:
+            if needle in b"\0" + f.read() + b"\0":
+                found.append(int(entry))
+    return found
+
+
+def kill_marked(name: str, value: str) -> list[int]:
+    """SIGKILL every process ``marked(name, value)`` finds (stopped first, so none forks meanwhile)."""
+    pids = marked(name, value)
+    _signal_all(pids, signal.SIGSTOP)
+    pids = sorted({*pids, *marked(name, value)})
+    _signal_all(pids, signal.SIGKILL)
+    return pids

@@ -128,6 +128,27 @@ def test_no_grandchild_survives_its_worker(tmp_path, leave_session, end):
     _wait_gone(pids)
 
 
+def _worker_that_kills_itself(folder: str) -> None:
+    """Start a program that ignores SIGTERM and leaves the session, then die by SIGKILL (as the OOM
+    killer would do it): the worker's own clean-up never runs, and init adopts the program."""
+    path = f"{folder}/{os.environ['RANK']}"
+    subprocess.Popen(["bash", "-c", f"trap '' TERM; echo $$ > {path}.tmp; mv {path}.tmp {path}; "
+                      "exec sleep 120"], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    if os.environ["RANK"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+
+
+def test_no_program_survives_a_worker_that_was_sigkilled(tmp_path):
+    with pytest.raises(WorkerError, match="rank 0 was killed by SIGKILL"):
+        launch(_worker_that_kills_itself, 2, args=(str(tmp_path),), timeout=30)
+    _wait_gone([int((tmp_path / str(r)).read_text()) for r in (0, 1)])
+
+
 # ---------------------------------------------------------------- a worker that stops itself
 
 
