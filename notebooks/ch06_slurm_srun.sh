@@ -32,6 +32,8 @@ RUN_ID=${RUN_ID:-$SLURM_JOB_NAME-$SLURM_JOB_ID}   # requeued: same id, same chec
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 export MASTER_ADDR=${NODES[0]}                     # task 0 (rank 0) runs on the first node
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000))   # as in ch06_slurm.sbatch
+# Rank 0 hosts the store there: if another job holds the port, rank 0 fails at once with
+# EADDRINUSE and --kill-on-bad-exit ends the other tasks.
 if [[ -n "${IFNAME:-}" ]]; then
     export NCCL_SOCKET_IFNAME=$IFNAME GLOO_SOCKET_IFNAME=$IFNAME
 fi
