@@ -41,6 +41,9 @@ def table(data: dict) -> str:
              f"CPUs ({data['machine']['cpu_model']}), {data['machine']['memory_gib']} GiB, torch "
              f"{data['machine']['torch']}; load average {m['load_average_before'][0]} before, "
              f"{m.get('load_average_after', ['?'])[0]} after. {m['note']}".rstrip(),
+             *[f"Measured again {x['started_utc']} to {x.get('ended_utc', '?')}, load average "
+               f"{x['load_average_before'][0]} before, {x.get('load_average_after', ['?'])[0]} after: "
+               f"{', '.join(x['notebooks'])}. {x['note']}".rstrip() for x in data.get("later", [])],
              "",
              "| chapter | lesson: run all (machine) | lesson: reading (estimate) | exercises | "
              "solutions: run all (machine) | peak cores | peak memory (PSS) |",

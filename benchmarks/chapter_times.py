@@ -36,6 +36,17 @@ import quiet
 DEFAULT_OUT = _measure.ROOT / "benchmarks" / "results" / "chapter_times.json"
 
 
+def _merged(old: dict, new: dict) -> dict:
+    """``old`` with ``new``'s notebooks replaced or added, and ``new``'s session listed in ``later``."""
+    session = dict(new["measured"], notebooks=sorted(new["notebooks"]))
+    kept = {"measured": old["measured"], "machine": old["machine"],
+            "later": [*old.get("later", []), session],
+            "notebooks": {**old["notebooks"], **new["notebooks"]}}
+    if new["machine"] != old["machine"]:
+        session["machine"] = new["machine"]
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("notebooks", nargs="*", type=Path,
@@ -46,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     ap.add_argument("--record", action="store_true",
                     help="run in the course folder and write the executed notebooks back")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other notebooks' results in --out, and record this run as a later "
+                         "measurement of the notebooks given")
     ap.add_argument("--quiet-wait", type=float, default=None, metavar="S",
                     help="before each notebook, wait up to S seconds for a quiet machine, else stop")
     a = ap.parse_args(argv)
@@ -78,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     result["measured"]["ended_utc"] = _measure.now_utc()
     result["measured"]["load_average_after"] = _measure.load_average()
+    if a.merge and a.out.exists():
+        result = _merged(json.loads(a.out.read_text(encoding="utf-8")), result)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     print(f"{len(wanted) - failed} of {len(wanted)} notebooks ran; results in {a.out}")

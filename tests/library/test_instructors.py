@@ -58,3 +58,26 @@ def test_jupyterhub_page_quotes_the_room_simulation():
     assert quoted == mod.markdown(data), (
         "docs/jupyterhub.md is out of date: paste in python benchmarks/room_simulation.py --markdown")
     assert [r["learners"] for r in data["rounds"]] and data["measured"]["started_utc"]
+
+
+def test_a_merged_measurement_keeps_the_other_notebooks_and_says_when_each_was_measured():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("chapter_times", ROOT / "benchmarks" / "chapter_times.py")
+        times = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(times)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    data = json.loads((ROOT / "benchmarks" / "results" / "chapter_times.json").read_text())
+    first = {"measured": data["measured"], "machine": data["machine"],
+             "notebooks": {k: v for k, v in data["notebooks"].items() if "01_" not in k}}
+    again = {"measured": {"started_utc": "T1", "ended_utc": "T2", "note": "rerun",
+                          "load_average_before": [0.5], "load_average_after": [0.7]},
+             "machine": data["machine"], "notebooks": {"notebooks/01_single_device.ipynb":
+                                                       data["notebooks"]["notebooks/01_single_device.ipynb"]}}
+    merged = times._merged(first, again)
+    assert set(merged["notebooks"]) == set(first["notebooks"]) | set(again["notebooks"])
+    assert merged["measured"] == data["measured"]
+    table = _chapter_table().table(merged)
+    assert ("Measured again T1 to T2, load average 0.5 before, 0.7 after: "
+            "notebooks/01_single_device.ipynb. rerun") in table
