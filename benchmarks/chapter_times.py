@@ -39,8 +39,13 @@ DEFAULT_OUT = _measure.ROOT / "benchmarks" / "results" / "chapter_times.json"
 def _merged(old: dict, new: dict) -> dict:
     """``old`` with ``new``'s notebooks replaced or added, and ``new``'s session listed in ``later``."""
     session = dict(new["measured"], notebooks=sorted(new["notebooks"]))
+    earlier = []  # earlier sessions keep the notebooks that this one did not measure again
+    for x in old.get("later", []):
+        left = [n for n in x["notebooks"] if n not in new["notebooks"]]
+        if left:
+            earlier.append(dict(x, notebooks=left))
     kept = {"measured": old["measured"], "machine": old["machine"],
-            "later": [*old.get("later", []), session],
+            "later": [*earlier, session],
             "notebooks": {**old["notebooks"], **new["notebooks"]}}
     if new["machine"] != old["machine"]:
         session["machine"] = new["machine"]

@@ -63,7 +63,8 @@ def test_jupyterhub_page_quotes_the_room_simulation():
 def test_a_merged_measurement_keeps_the_other_notebooks_and_says_when_each_was_measured():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        spec = importlib.util.spec_from_file_location("chapter_times", ROOT / "benchmarks" / "chapter_times.py")
+        path = ROOT / "benchmarks" / "chapter_times.py"
+        spec = importlib.util.spec_from_file_location("chapter_times", path)
         times = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(times)
     finally:
@@ -81,3 +82,7 @@ def test_a_merged_measurement_keeps_the_other_notebooks_and_says_when_each_was_m
     table = _chapter_table().table(merged)
     assert ("Measured again T1 to T2, load average 0.5 before, 0.7 after: "
             "notebooks/01_single_device.ipynb. rerun") in table
+    # measured once more: the earlier session no longer lists it
+    again2 = dict(again, measured=dict(again["measured"], started_utc="T3", ended_utc="T4"))
+    twice = times._merged(merged, again2)
+    assert [x["started_utc"] for x in twice["later"]] == ["T3"]
