@@ -102,6 +102,14 @@ class DDPBucketed(nn.Module):
     5. ``on_train_batch_start()`` (optional, called before each forward) may reset per-step state.
 
     All gradients of the module must have one dtype (flattening needs it).
+
+    Two things torch DDP does that this design leaves out (chapter 04, section 3.2): DDP launches
+    its buckets in index order, so the k-th all-reduce is the same bucket on every rank even where
+    autograd finishes gradients in a different order on different ranks; launching in completion
+    order, as here, relies on every rank running the same graph.  And DDP raises an error at the
+    next forward when a parameter got no gradient (unless ``find_unused_parameters=True``); here a
+    bucket with such a parameter never fills, is never all-reduced, and its gradients silently stay
+    those of this rank alone.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float):
