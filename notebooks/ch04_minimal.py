@@ -65,6 +65,9 @@ def train(rank, world_size, epochs=2, batch_size=32, lr=0.05):
     if rank == 0:
         xv, yv = (t.to(device) for t in val_set.tensors)
         with torch.no_grad():
+            # model.module, not model: where the module has buffers (BatchNorm's running
+            # statistics), DDP's forward is itself a collective, a broadcast of rank 0's buffers,
+            # so model(xv) on rank 0 alone would wait forever for the other ranks (section 3.5).
             accuracy = (model.module(xv).argmax(1) == yv).float().mean().item()
         print(f"held-out accuracy (rank 0, all {len(yv)} samples): {accuracy:.3f}\n", end="", flush=True)
 
