@@ -492,11 +492,16 @@ _STOPPED = ("it was stopped by a signal (state T: SIGSTOP, SIGTSTP, or a debugge
 
 
 def _emit(rank: int, name: str, lines: list[str]) -> None:
-    """Print whole lines from one worker, each prefixed with its rank."""
+    """Print whole lines from one worker, each prefixed with its rank.
+
+    torch's C++ log lines already start with ``[rankN]:`` (``[rank0]:[W1201 ...] Warning: ...``):
+    that prefix is dropped, so that the line does not name its rank twice.
+    """
     if not lines:
         return
     stream = sys.stdout if name == "out" else sys.stderr
-    stream.write("".join(f"[rank{rank}] {line}\n" for line in lines))
+    own = f"[rank{rank}]:"
+    stream.write("".join(f"[rank{rank}] {line.removeprefix(own)}\n" for line in lines))
     stream.flush()
 
 

@@ -123,6 +123,20 @@ def test_output_arrives_as_rank_prefixed_whole_lines(capsys):
 # ---------------------------------------------------------------- failures
 
 
+def _logs_like_torchs_cpp_code() -> None:
+    rank = os.environ["RANK"]
+    print(f"[rank{rank}]:[W1201 05:14:27.291172993 reducer.cpp:1529] Warning: a C++ warning",
+          file=sys.stderr, flush=True)
+
+
+def test_a_cpp_log_line_names_its_rank_once(capsys):
+    launch(_logs_like_torchs_cpp_code, 2, display=None)
+    err = capsys.readouterr().err
+    for r in (0, 1):
+        assert f"[rank{r}] [W1201 05:14:27.291172993 reducer.cpp:1529] Warning: a C++ warning\n" in err
+    assert "]:[W1201" not in err
+
+
 def test_raising_rank_is_named_with_type_message_and_traceback():
     def work():
         dist.init_process_group("gloo")
