@@ -44,10 +44,13 @@ def time_limit(seconds: float | None, what: str) -> Iterator[None]:
     where: list[str] = []
 
     def on_alarm(signum: int, frame: object) -> None:
+        if outer and outer < seconds and callable(previous):
+            previous(signum, frame)  # the outer limit came first: it is the one that fires
+            return
         stack = traceback.extract_stack(frame)
         theirs = [f for f in stack if not f.filename.startswith(_PACKAGE)] or stack[-1:]
         where.extend(f"{f.filename}:{f.lineno} in {f.name}" for f in theirs[-3:])
-        raise _Overtime
+        raise _Overtime(where)  # ``where`` tells this limit's timer from an outer one's
 
     outer = signal.getitimer(signal.ITIMER_REAL)[0]  # a limit around this one: re-armed after
     started = time.monotonic()
@@ -55,7 +58,9 @@ def time_limit(seconds: float | None, what: str) -> Iterator[None]:
     signal.setitimer(signal.ITIMER_REAL, min(seconds, outer) if outer else seconds)
     try:
         yield
-    except _Overtime:
+    except _Overtime as e:
+        if e.args[0] is not where:
+            raise  # an outer limit's: it reports itself
         at = "\n".join(f"    {w}" for w in where)
         raise CheckFailed(f"{what} did not return within {seconds:g} s; it was interrupted at:\n{at}\n"
                           "Look for a loop that never ends or a wait for something that never "

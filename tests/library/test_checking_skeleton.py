@@ -207,6 +207,13 @@ def test_time_limit_inside_another_keeps_the_outer_one():
             _never_returns()
 
 
+def test_an_outer_limit_that_comes_first_is_the_one_reported():
+    with pytest.raises(CheckFailed, match="outer did not return within 1 s"):
+        with time_limit(1, "outer"):
+            with time_limit(30, "inner"):
+                _never_returns()
+
+
 def test_in_process_checkers_stop_an_answer_that_never_returns(monkeypatch):
     from course_utils.checking import limits
     from course_utils.checks import ch10, check_comm_prediction, check_train_step
