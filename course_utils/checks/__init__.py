@@ -24,6 +24,7 @@ from .ch09 import (
 from .ch10 import check_bucketed_ddp, check_comm_prediction, check_sharded_optimizer
 from .ch11 import check_checkpoint_memory, check_tp_linears
 from .ch12 import check_gpipe, check_rank_memory, check_resharding
+from .ch13 import check_find_culprit
 
 __all__ = [
     "check_train_step",
@@ -55,4 +56,5 @@ __all__ = [
     "check_gpipe",
     "check_resharding",
     "check_rank_memory",
+    "check_find_culprit",
 ]

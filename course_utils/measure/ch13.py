@@ -1,0 +1,108 @@
+"""Chapter 13's tools for a job that hangs: its flight records read per rank, and py-spy's stacks.
+
+- ``load_dumps(folder)`` reads the dumps a job left (``rank<N>.pkl``, each the pickle that
+  ``torch._C._distributed_c10d._dump_fr_trace()`` returns) into ``{rank: dump}``;
+- ``collectives(dump)`` gives one rank's recorded collectives as rows (sequence id, operation,
+  shapes, state, the learner's frame), ``print_records(dumps)`` prints the last ones of every rank;
+- ``py_spy_dump(pid)`` runs ``py-spy dump --pid`` on a live process and ``stuck_frame(stack)``
+  picks from its output the innermost frame that is not torch's or the interpreter's own.
+
+A dump, as torch 2.13 writes it, is a dict: ``version``, ``pg_config`` (the groups and their ranks),
+``pg_status`` (per group: the last collective enqueued, started, completed) and ``entries``, one per
+collective, oldest first, with ``collective_seq_id`` (per group: the k-th collective of the group on
+every rank), ``profiling_name`` (``"gloo:all_reduce"``), ``input_sizes``, ``state`` and ``frames``
+(the Python stack when it was called, innermost first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Collective", "load_dumps", "collectives", "learner_frame", "print_records",
+           "py_spy_dump", "stuck_frame", "PY_SPY"]
+
+# py-spy installs one executable beside the interpreter (`.venv/bin/py-spy`).
+PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+
+# Frames that are not the learner's: torch's own and its logging wrapper, the interpreter's.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_NOT_LEARNER = re.compile(r"(^|/)(torch|threading\.py|runpy\.py)(/|$)|site-packages/|/lib/python3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One recorded collective of one rank."""
+
+    seq: int          # collective_seq_id: the same number for the same collective on every rank
+    op: str           # "all_reduce", "barrier", ... (the backend's prefix removed)
+    shapes: tuple     # the input tensors' shapes
+    state: str        # "scheduled", "started", "completed" (gloo records "scheduled" only)
+    frame: str        # where the learner's code called it: "file:line in function"
+    group: str        # the process group's name ("0" is the default group)
+
+
+def load_dumps(folder: str | Path) -> dict[int, dict]:
+    """``{rank: dump}`` from the files ``rank<N>.pkl`` in ``folder`` (a rank without a file is
+    absent: it never dumped)."""
+    out = {}
+    for path in Path(folder).glob("rank*.pkl"):
+        m = re.fullmatch(r"rank(\d+)\.pkl", path.name)
+        if m:
+            out[int(m.group(1))] = pickle.loads(path.read_bytes())
+    return dict(sorted(out.items()))
+
+
+def learner_frame(frames: list[Mapping[str, Any]]) -> str:
+    """The innermost frame outside torch and the interpreter, as ``file:line in function``."""
+    for f in frames:
+        if not _NOT_LEARNER.search(str(f.get("filename", ""))):
+            return f"{Path(str(f['filename'])).name}:{f['line']} in {f['name']}"
+    return "(no frame outside torch)"
+
+
+def collectives(dump: Mapping[str, Any]) -> list[Collective]:
+    """One rank's recorded collectives (point-to-point entries left out), oldest first."""
+    return [Collective(seq=int(e["collective_seq_id"]), op=str(e["profiling_name"]).split(":")[-1],
+                       shapes=tuple(tuple(s) for s in e["input_sizes"]), state=str(e["state"]),
+                       frame=learner_frame(e.get("frames") or []), group=str(e["process_group"][0]))
+            for e in dump.get("entries", []) if not e.get("is_p2p")]
+
+
+def print_records(dumps: Mapping[int, Mapping[str, Any]], last: int = 4) -> None:
+    """Print, for every rank, its last ``last`` collectives: sequence id, operation, shapes, frame."""
+    for rank, dump in sorted(dumps.items()):
+        rows = collectives(dump)
+        print(f"rank {rank}: {len(rows)} collective(s) recorded, the last {min(last, len(rows))}:")
+        print(f"    {'seq':>4}  {'op':<11} {'shapes':<12} {'state':<10} called from")
+        for c in rows[-last:]:
+            shapes = ", ".join("x".join(map(str, s)) or "-" for s in c.shapes) or "-"
+            print(f"    {c.seq:>4}  {c.op:<11} {shapes:<12} {c.state:<10} {c.frame}")
+
+
+def py_spy_dump(pid: int, timeout: float = 30.0) -> str:
+    """``py-spy dump --pid PID``: every thread's Python stack of a running process, innermost first."""
+    if PY_SPY is None:
+        raise RuntimeError("py-spy is not installed: `pip install py-spy` (it is in pyproject.toml)")
+    r = subprocess.run([PY_SPY, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                       timeout=timeout)
+    if r.returncode:
+        raise RuntimeError(f"py-spy dump --pid {pid} failed: {(r.stderr or r.stdout).strip()[-300:]}")
+    return _ANSI.sub("", r.stdout)  # py-spy colours its output even into a pipe
+
+
+def stuck_frame(stack: str) -> str:
+    """The innermost frame of py-spy's first (main) thread that belongs to the learner's code."""
+    thread = stack.split("\nThread ")[1] if "\nThread " in stack else stack
+    for line in thread.splitlines()[1:]:
+        m = re.match(r"\s+(\S+) \((.+):(\d+)\)", line)
+        if m and not _NOT_LEARNER.search(m.group(2)):
+            return f"{Path(m.group(2)).name}:{m.group(3)} in {m.group(1)}"
+    return "(no frame outside torch)"

@@ -1,0 +1,203 @@
+"""Chapter 13 checker: 13.a accepts right answers written three ways and rejects each misconception of
+its catalogue with its message; the recorded dumps are what the recording script's table says."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
+
+from course_utils.checking import CheckFailed
+from course_utils.checks import check_find_culprit
+from course_utils.checks.ch13 import a_find_culprit
+from course_utils.checks.ch13.a_find_culprit import FAILURES, load_recorded, reference_culprit
+from course_utils.measure.ch13 import collectives, learner_frame
+
+# ---- the recorded dumps --------------------------------------------------------------------------
+
+
+def test_the_recorded_jobs_are_what_the_recording_script_provoked():
+    # tools/record_ch13_dumps.py: the rank that misbehaves, at step 3 (three collectives a step, or
+    # four in `order`: sequence ids 10, or 13).
+    expected = {
+        "healthy": None,
+        "collective": {"kind": "collective", "seq_id": 10, "ranks": [2]},
+        "order": {"kind": "collective", "seq_id": 13, "ranks": [0]},
+        "shape": {"kind": "shape", "seq_id": 10, "ranks": [3]},
+        "missing": {"kind": "missing", "seq_id": 10, "ranks": [2]},
+        "missing_wrapped": {"kind": "missing", "seq_id": 10, "ranks": [1]},
+    }
+    assert list(FAILURES) == list(expected)
+    for failure, want in expected.items():
+        dumps = load_recorded(failure)
+        assert sorted(dumps) == [0, 1, 2, 3], failure
+        assert reference_culprit(dumps) == want, failure
+    wrapped = load_recorded("missing_wrapped")
+    assert {r: len(d["entries"]) for r, d in wrapped.items()} == {0: 8, 1: 8, 2: 8, 3: 8}
+    assert {r: d["entries"][0]["collective_seq_id"] for r, d in wrapped.items()} == {0: 5, 1: 2, 2: 5, 3: 5}
+    # Each entry's frames lead back to the recording script, as the lesson's table shows them.
+    first = collectives(load_recorded("collective")[2])[-3]
+    assert (first.seq, first.op, first.shapes) == (10, "barrier", ())
+    assert first.frame.startswith("record_ch13_dumps.py:") and first.frame.endswith(" in _step")
+    assert learner_frame([{"name": "all_reduce", "filename": "torch/distributed/x.py", "line": 1}]) == \
+        "(no frame outside torch)"
+
+
+def test_the_learner_gets_a_copy_of_the_dumps(capsys):
+    def mutates(dumps):
+        answer = reference_culprit(dumps)
+        for d in dumps.values():
+            d["entries"].clear()
+        return answer
+
+    check_find_culprit(mutates)
+    assert "[PASS] 13.a find culprit" in capsys.readouterr().out
+
+
+# ---- right answers -------------------------------------------------------------------------------
+
+
+def culprit_by_majority(dumps):  # the solution's way: every sequence id from the newest start
+    seqs = {}
+    for rank, dump in dumps.items():
+        seqs[rank] = {e["collective_seq_id"]: (e["profiling_name"], [list(s) for s in e["input_sizes"]])
+                      for e in dump["entries"]}
+    start = max(min(s) for s in seqs.values())
+    for seq in sorted(set().union(*seqs.values())):
+        if seq < start:
+            continue
+        absent = [r for r in seqs if seq not in seqs[r]]
+        if absent:
+            return {"kind": "missing", "seq_id": seq, "ranks": absent}
+        calls = {r: repr(seqs[r][seq]) for r in seqs}
+        common, _ = collections.Counter(calls.values()).most_common(1)[0]
+        odd = [r for r in calls if calls[r] != common]
+        if odd:
+            same_op = all(seqs[r][seq][0] == eval(common)[0] for r in odd)
+            return {"kind": "shape" if same_op else "collective", "seq_id": seq, "ranks": odd}
+    return None
+
+
+def culprit_last_ids_first(dumps):  # a missing rank first (its last id is behind), then mismatches
+    last = {r: max(e["collective_seq_id"] for e in d["entries"]) for r, d in dumps.items()}
+    if len(set(last.values())) > 1:
+        behind = min(last.values())
+        return {"kind": "missing", "seq_id": behind + 1, "ranks": {r for r in last if last[r] == behind}}
+    tables = {r: {e["collective_seq_id"]: e for e in d["entries"]} for r, d in dumps.items()}
+    shared = set.intersection(*(set(t) for t in tables.values()))
+    for seq in sorted(shared):
+        ops = {r: t[seq]["profiling_name"] for r, t in tables.items()}
+        sizes = {r: str(t[seq]["input_sizes"]) for r, t in tables.items()}
+        for values, kind in ((ops, "collective"), (sizes, "shape")):
+            counts = collections.Counter(values.values())
+            if len(counts) > 1:
+                usual = counts.most_common(1)[0][0]
+                return {"kind": kind, "seq_id": seq, "ranks": sorted(r for r in values if values[r] != usual)}
+    return None
+
+
+class Culprit(collections.namedtuple("Culprit", "kind seq_id ranks")):
+    """An answer as a named tuple instead of a dict."""
+
+
+def culprit_as_named_tuple(dumps):
+    found = reference_culprit(dumps)
+    return None if found is None else Culprit(found["kind"], found["seq_id"], tuple(found["ranks"]))
+
+
+@pytest.mark.parametrize("right", [culprit_by_majority, culprit_last_ids_first, culprit_as_named_tuple],
+                         ids=lambda f: f.__name__)
+def test_accepts_right_answers_written_differently(right, capsys):
+    check_find_culprit(right)
+    assert "[PASS] 13.a find culprit" in capsys.readouterr().out
+
+
+# ---- wrong answers, one per misconception ---------------------------------------------------------
+
+
+def crashes_on_healthy(dumps):
+    found = reference_culprit(dumps)
+    return {"kind": found["kind"], "seq_id": found["seq_id"], "ranks": found["ranks"]}  # None[...]
+
+
+def compares_last_entry(dumps):
+    last = {r: d["entries"][-1] for r, d in dumps.items()}
+    ids = {r: e["collective_seq_id"] for r, e in last.items()}
+    if len(set(ids.values())) > 1:
+        behind = min(ids.values())
+        return {"kind": "missing", "seq_id": behind + 1, "ranks": [r for r in ids if ids[r] == behind]}
+    calls = {r: (e["profiling_name"], str(e["input_sizes"])) for r, e in last.items()}
+    usual = collections.Counter(calls.values()).most_common(1)[0][0]
+    odd = [r for r in calls if calls[r] != usual]
+    return {"kind": "collective", "seq_id": max(ids.values()), "ranks": odd} if odd else None
+
+
+def blames_rank_zero(dumps):
+    found = reference_culprit(dumps)
+    return None if found is None else dict(found, ranks=[0])
+
+
+def ignores_shapes(dumps):
+    stripped = {r: dict(d, entries=[dict(e, input_sizes=[]) for e in d["entries"]]) for r, d in dumps.items()}
+    return reference_culprit(stripped)
+
+
+def fewer_entries_is_mismatch(dumps):
+    found = reference_culprit(dumps)
+    return dict(found, kind="collective") if found and found["kind"] == "missing" else found
+
+
+def compares_positions(dumps):
+    lists = {r: d["entries"] for r, d in dumps.items()}
+    for i in range(max(len(v) for v in lists.values())):
+        absent = [r for r, v in lists.items() if i >= len(v)]
+        here = {r: v[i] for r, v in lists.items() if i < len(v)}
+        seq = max(e["collective_seq_id"] for e in here.values())
+        if absent:
+            return {"kind": "missing", "seq_id": seq, "ranks": absent}
+        calls = {r: (e["profiling_name"], str(e["input_sizes"])) for r, e in here.items()}
+        usual = collections.Counter(calls.values()).most_common(1)[0][0]
+        odd = [r for r in calls if calls[r] != usual]
+        if odd:
+            same_op = all(calls[r][0] == usual[0] for r in odd)
+            return {"kind": "shape" if same_op else "collective", "seq_id": seq, "ranks": odd}
+    return None
+
+
+WRONG = {f.__name__: (f, message) for f, message in [
+    (crashes_on_healthy, r"on a healthy job .*find_culprit raised TypeError"),
+    (compares_last_entry, r"rank 2 called barrier\(\).*returned None"),
+    (blames_rank_zero, r"rank 2 called barrier\(\).*ranks=\[0\], expected .*ranks=\[2\]"),
+    (ignores_shapes, r"\(6, 2\) view.*returned None \(no culprit\), expected kind='shape', seq_id=10"),
+    (fewer_entries_is_mismatch, r"rank 2 never arrived.*kind='collective'.*expected kind='missing'"),
+    (compares_positions, r"8-entry buffer.*returned None"),
+]}
+
+
+@pytest.mark.parametrize("mistake, wrong", cases(a_find_culprit.CATALOGUE, WRONG))
+def test_rejects_typical_mistakes(mistake, wrong):
+    answer, message = wrong
+    with pytest.raises(CheckFailed, match=message) as info:
+        check_find_culprit(answer)
+    assert mistake.message in info.value.args[0]
+
+
+def test_rejects_stub_none_and_bad_returns():
+    def stub(dumps):
+        raise NotImplementedError("Exercise 13.a find culprit: replace this line with your code")
+
+    with pytest.raises(CheckFailed, match="not done yet"):
+        check_find_culprit(stub)
+    with pytest.raises(CheckFailed, match="got None"):
+        check_find_culprit(None)
+    healthy = r"(?s)healthy job .*: find_culprit returned kind='missing'.*must return None"
+    with pytest.raises(CheckFailed, match=healthy):
+        check_find_culprit(lambda dumps: {"kind": "missing", "seq_id": 1, "ranks": [0]})
+    with pytest.raises(CheckFailed, match="expected None or a dict"):
+        check_find_culprit(lambda dumps: reference_culprit(dumps) and "rank 2")
+    with pytest.raises(CheckFailed, match=r"kind='mismatch'; expected one of"):
+        check_find_culprit(lambda dumps: reference_culprit(dumps) and dict(reference_culprit(dumps),
+                                                                          kind="mismatch"))
+    with pytest.raises(CheckFailed, match="without the key 'ranks'"):
+        check_find_culprit(lambda dumps: reference_culprit(dumps) and {"kind": "collective", "seq_id": 10})
