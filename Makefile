@@ -64,13 +64,16 @@ lint: $(BIN)/.installed-test
 # requiring every cell to run and every checker to pass: nbval does not run them a second time.
 RUN_TOGETHER = solutions/03_collectives.ipynb solutions/04_ddp.ipynb solutions/05_data_loading.ipynb
 
+# One pytest session runs the unit tests and the notebooks (nbval), the longest files first
+# (conftest.py), so that both workers stay busy to the end. PYTEST_ARGS="..." adds options.
+PYTEST_ARGS ?=
 test: lint
 	$(BIN)/python tools/exercises.py --check
 	# One retry per unit test: torch 2.13's gloo process groups can, rarely, abort a worker at
-	# exit (see CONTRIBUTING.md); a test that fails twice fails the run.
-	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --reruns 1 -rs tests
-	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile -p no:randomly --nbval-lax \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks solutions $(RUN_TOGETHER:%=--ignore=%)
+	# exit (see CONTRIBUTING.md); a test that fails twice fails the run. Notebook cells never rerun.
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder --reruns 1 -rs \
+		--nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS) \
+		tests notebooks solutions $(RUN_TOGETHER:%=--ignore=%)
 
 exercises: $(BIN)/.installed
 	$(BIN)/python tools/exercises.py

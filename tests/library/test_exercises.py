@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -57,19 +58,50 @@ def test_generator_drops_outputs():
     assert cell["outputs"] == [] and cell["execution_count"] is None
 
 
+@pytest.fixture(scope="module")
+def learner_kernel():
+    """One kernel in exercises/ for every stub notebook, as a learner going from one to the next.
+
+    Its fork server is started (and waited for) before the first notebook, so that each test's
+    check for leftover processes sees it as already there.  Each notebook starts with ``%reset -f``:
+    nothing a previous notebook defined is left.  One kernel instead of twelve spares the suite a
+    kernel start, an import of torch and a fork server per notebook.
+    """
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(cwd=str(ROOT / "exercises"), env={**os.environ, "COURSE_PREWARM": "1"})
+    try:
+        (ready,) = _run_in(km, ["from course_utils.workers.prewarm import wait_ready\n"
+                                "assert wait_ready(120), 'the fork server did not start'"]).cells
+        assert not [o for o in ready.outputs if o.output_type == "error"], ready.outputs
+        yield km
+    finally:
+        km.shutdown_kernel(now=True)
+
+
+def _run_in(km, sources, nb=None):
+    """Execute ``sources`` (or the notebook ``nb``, after them) in the running kernel ``km``."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nb if nb is not None else nbformat.v4.new_notebook()
+    nb.cells[:0] = [nbformat.v4.new_code_cell(s) for s in sources]
+    NotebookClient(nb, km=km, timeout=300, allow_errors=True).execute()
+    return nb
+
+
 @pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem)
-def test_every_stub_fails_its_checker_naming_the_exercise(path):
+def test_every_stub_fails_its_checker_naming_the_exercise(path, learner_kernel):
     """Run the exercise notebook as a learner would before writing anything.
 
     Every cell that calls a checker must fail with CheckFailed saying the exercise is not done,
     and naming the exercise that its stub names.
     """
     import nbformat
-    from nbclient import NotebookClient
 
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=300, allow_errors=True, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    nb = _run_in(learner_kernel, ["%reset -f"], nbformat.read(path, as_version=4))
+    assert not [o for o in nb.cells[0].outputs if o.output_type == "error"], nb.cells[0].outputs
     stub_names = {name for c in nb.cells if c.cell_type == "code"
                   for name in re.findall(r'NotImplementedError\("Exercise ([^:]+):', c.source)}
     check_cells = [c for c in nb.cells if c.cell_type == "code" and re.search(r"\bcheck_\w+\(", c.source)]

@@ -1,0 +1,66 @@
+"""The order of `make test`: the longest files first, so that the two workers finish together.
+
+`make test` runs the unit tests and the notebooks (nbval) in one pytest session on two workers,
+one file at a time per worker (``--dist loadfile``).  Files are handed out in collection order; if
+a long file came last, one worker would run it alone while the other sat idle.  So the collection
+is sorted by each file's expected time, longest first:
+
+- a notebook: its ``wall_s`` in ``benchmarks/results/chapter_times.json`` (``make notebooks``);
+- a test file: its seconds in ``tests/seconds.json`` (``tools/test_seconds.py`` writes it from a
+  ``pytest --durations=0`` run);
+- a file in neither: ``UNKNOWN_SECONDS_PER_TEST`` per test.
+
+Within a file the order is kept (a notebook's cells run in order in one kernel).  A notebook's
+cells are never rerun: ``--reruns`` is for the unit tests, and a cell run twice in the same kernel
+proves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+NOTEBOOK_TIMES = ROOT / "benchmarks" / "results" / "chapter_times.json"
+TEST_TIMES = ROOT / "tests" / "seconds.json"
+UNKNOWN_SECONDS_PER_TEST = 2.0
+
+
+def expected_seconds() -> dict[str, float]:
+    """Seconds per file (paths relative to the repository), from the two measurement files."""
+    seconds: dict[str, float] = {}
+    try:
+        for path, row in json.loads(NOTEBOOK_TIMES.read_text())["notebooks"].items():
+            if isinstance(row, dict) and isinstance(row.get("wall_s"), (int, float)):
+                seconds[path] = float(row["wall_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no measurements: every file counts by its number of tests
+    try:
+        seconds.update({k: float(v) for k, v in json.loads(TEST_TIMES.read_text()).items()})
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    return seconds
+
+
+def _relative(item: pytest.Item) -> str:
+    try:
+        return item.path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return item.path.as_posix()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    known = expected_seconds()
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(_relative(item), []).append(item)
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.flaky(reruns=0))
+
+    def cost(path: str) -> float:
+        return known.get(path, UNKNOWN_SECONDS_PER_TEST * len(files[path]))
+
+    items[:] = [item for path in sorted(files, key=cost, reverse=True) for item in files[path]]
