@@ -57,6 +57,8 @@ def parse_args(argv=None):
                    help="ft: after a kill, go on until this many steps committed with all replicas")
     p.add_argument("--kill-at", type=int, default=-1, help="this replica (restart: rank 1) is SIGKILLed "
                    "at this step of its first attempt")
+    p.add_argument("--rejoin-after", type=int, default=0,
+                   help="ft: a replacement waits until another group has committed this many steps alone")
     p.add_argument("--save-every", type=int, default=25, help="restart: steps between checkpoints")
     p.add_argument("--step-time", type=float, default=0.02,
                    help="seconds a step lasts at least (a stand-in for a real model's compute)")
@@ -139,6 +141,22 @@ def average_gradients(manager, model):
         offset += p.numel()
 
 
+def wait_for_steps_alone(folder, me, steps, stop_by):
+    """A stand-in for a replacement machine that takes a while to come up.
+
+    It waits before its manager exists: a manager heartbeats from its start, and a replica group
+    that heartbeats without asking for a quorum counts as alive, so the lighthouse would refuse a
+    quorum without it (the rule of more than half of the living).
+    """
+    while time.time() < stop_by:
+        for f in folder.glob("ft-r*-a0.jsonl"):
+            if f.name != f"ft-r{me}-a0.jsonl":
+                records = [json.loads(line) for line in f.read_text().splitlines() if line.endswith("}")]
+                if sum(1 for r in records if r.get("committed") and r["participants"] == 1) >= steps:
+                    return
+        time.sleep(0.05)
+
+
 def loopback_manager_server(**kwargs):
     """torchft 0.2.0's Manager binds its server to [::] (every interface): keep it on loopback."""
     from torchft._torchft import ManagerServer
@@ -155,6 +173,9 @@ def ft(args):
     if time.time() > args.stop_by:  # a replacement that comes too late: the others have finished
         return
     log = StepLog(folder / f"ft-r{args.replica}-a{attempt}.jsonl")
+    if attempt > 0 and args.rejoin_after > 0:
+        wait_for_steps_alone(folder, args.replica, args.rejoin_after, args.stop_by)
+        log(event="waited", created=psutil.Process().create_time())
     data = split(make_dataset())[0].tensors
     model = make_model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import sys
 import threading
 import time
@@ -110,8 +111,10 @@ class FtSummary:
     survivor_steps_alone: int      # steps the survivor committed with 1 participant
     survivor_discarded: int        # steps it ran whose update was thrown away (should_commit False)
     survivor_longest_pause: float  # longest time between two of its committed steps, after the kill
+    new_step_after: float          # the survivor commits a step number never committed before
     normal_step: float             # its median time between committed steps before the kill
     replacement_created: float     # the new process exists (torchrun restarted the worker)
+    replacement_waited: float      # it stopped waiting for the survivor's steps alone (nan: no wait)
     replacement_ready: float       # its manager is up and has asked the lighthouse to join
     healed: float                  # the survivor's state has arrived and is loaded
     heal_step: int                 # the step it was healed at (the survivor's step then)
@@ -126,9 +129,13 @@ class FtSummary:
             f"replica group 1 killed at step {self.kill_step}",
             f"survivor: longest pause {self.survivor_longest_pause:.2f} s (a normal step: "
             f"{self.normal_step * 1000:.0f} ms), {self.survivor_discarded} step(s) discarded, "
-            f"{self.survivor_steps_alone} steps committed alone, {self.redone_steps} redone",
-            f"replacement: process started {self.replacement_created:.1f} s after the kill, ready at "
-            f"{self.replacement_ready:.1f} s, healed at {self.healed:.1f} s (step {self.heal_step}), "
+            f"{self.survivor_steps_alone} steps committed alone, {self.redone_steps} redone; "
+            f"a new step {self.new_step_after:.2f} s after the kill",
+            f"replacement: process started {self.replacement_created:.1f} s after the kill, "
+            + (f"done waiting for the survivor's steps alone at {self.replacement_waited:.1f} s, "
+               if not math.isnan(self.replacement_waited) else "")
+            + f"its manager up at {self.replacement_ready:.1f} s, healed at {self.healed:.1f} s "
+            f"(step {self.heal_step}), "
             f"stepping with both from step {self.joined_step}",
             f"after the heal: {self.identical_steps} of {self.shared_steps} steps with bit-identical "
             "weights on both replica groups",
@@ -146,7 +153,7 @@ def summarize_torchft(logs: dict[tuple[int, int], list[dict]]) -> FtSummary:
     after = [r for r in committed if r["t"] >= t_kill]
     gaps = [b["t"] - a["t"] for a, b in zip(committed, committed[1:]) if b["t"] >= t_kill]
     numbers = [r["step"] for r in committed]
-    healed, start = _event(new, "healed"), _event(new, "start")
+    healed, start, waited = _event(new, "healed"), _event(new, "start"), _event(new, "waited")
     new_steps = _steps(new)
     digests = {r["step"]: r["digest"] for r in committed}
     shared = [r for r in new_steps if r["committed"] and r["step"] in digests]
@@ -156,8 +163,10 @@ def summarize_torchft(logs: dict[tuple[int, int], list[dict]]) -> FtSummary:
         survivor_steps_alone=sum(1 for r in after if r["participants"] == 1),
         survivor_discarded=sum(1 for r in steps if not r["committed"]),
         survivor_longest_pause=max(gaps, default=float("nan")),
+        new_step_after=next((r["t"] for r in after if r["step"] > kill["step"]), float("nan")) - t_kill,
         normal_step=sorted(before)[len(before) // 2] if before else float("nan"),
         replacement_created=(start["created"] - t_kill) if start else float("nan"),
+        replacement_waited=(waited["t"] - t_kill) if waited else float("nan"),
         replacement_ready=(start["t"] - t_kill) if start else float("nan"),
         healed=(healed["t"] - t_kill) if healed else float("nan"),
         heal_step=new_steps[0]["step"] - 1 if healed and new_steps else -1,
@@ -177,7 +186,7 @@ class RestartSummary:
     checkpoint_step: int   # the step attempt 1 resumed from
     redone_steps: int      # steps committed again after the restart
     first_step_after: float  # the first step of attempt 1 is done
-    back_at_kill_step: float  # attempt 1 has redone every step up to the kill: the time lost
+    new_step_after: float  # attempt 1 commits a step number never committed before: the time lost
     normal_step: float
     logs: dict = dataclasses.field(repr=False, default_factory=dict)
 
@@ -185,7 +194,7 @@ class RestartSummary:
         return [
             f"rank 1 killed at step {self.kill_step}; the last checkpoint was at step {self.checkpoint_step}",
             f"restart: every worker stopped; the first step after the restart {self.first_step_after:.1f} s "
-            f"after the kill; back at step {self.kill_step} after {self.back_at_kill_step:.1f} s, "
+            f"after the kill; a new step (after {self.kill_step}) {self.new_step_after:.1f} s after it, "
             f"{self.redone_steps} steps done twice (a normal step: {self.normal_step * 1000:.0f} ms)",
         ]
 
@@ -198,13 +207,13 @@ def summarize_restart(logs: dict[tuple[int, int], list[dict]]) -> RestartSummary
     resumed = _event(logs[0, 1], "resumed")
     gaps = [b["t"] - a["t"] for a, b in zip(first, first[1:])]
     done_before = {r["step"] for r in first}
-    back = next((r for r in second if r["step"] >= kill["step"]), None)
+    new = next((r for r in second if r["step"] > kill["step"]), None)
     return RestartSummary(
         kill_step=kill["step"], t_kill=t_kill,
         checkpoint_step=resumed["step"] if resumed else 0,
         redone_steps=sum(1 for r in second if r["step"] in done_before),
         first_step_after=second[0]["t"] - t_kill if second else float("nan"),
-        back_at_kill_step=back["t"] - t_kill if back else float("nan"),
+        new_step_after=new["t"] - t_kill if new else float("nan"),
         normal_step=sorted(gaps)[len(gaps) // 2] if gaps else float("nan"),
         logs=logs)
 
@@ -218,9 +227,13 @@ def _check_outputs(results: list[CommandResult]) -> None:
 
 
 def run_torchft(script: Path, folder: Path, *, kill_at: int = 60, steps: int = 120,
-                step_time: float = 0.02, heartbeat_timeout_ms: int = 2000, limit: float = 90.0,
+                step_time: float = 0.02, heartbeat_timeout_ms: int = 2000, rejoin_after: int = 50,
+                limit: float = 90.0,
                 watch: ListenWatch | None = None) -> tuple[FtSummary, list[CommandResult]]:
     """The lighthouse and two replica groups (each its own torchrun); group 1 dies at ``kill_at``.
+
+    Its replacement waits until the survivor has committed ``rejoin_after`` steps alone (on a fast
+    machine it could otherwise be back before the lighthouse has declared group 1 dead).
 
     Every process stops by itself within ``limit`` seconds (``--stop-by``); run_commands stops
     whatever is left 15 s later.  Returns the summary and each command's result (its output).
@@ -234,7 +247,7 @@ def run_torchft(script: Path, folder: Path, *, kill_at: int = 60, steps: int = 1
         return TORCHRUN + ["--standalone", "--nproc_per_node=1", f"--max-restarts={r}",
                            "--monitor-interval=0.1", script.name, "ft", "--replica", str(r),
                            "--lighthouse", f"http://127.0.0.1:{port}", "--kill-at",
-                           str(kill_at if r == 1 else -1)] + common
+                           str(kill_at if r == 1 else -1), "--rejoin-after", str(rejoin_after)] + common
 
     commands = {"lighthouse": [sys.executable, script.name, "lighthouse", "--port", str(port),
                                "--heartbeat-timeout-ms", str(heartbeat_timeout_ms)] + common,
