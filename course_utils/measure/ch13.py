@@ -5,7 +5,8 @@
 - ``collectives(dump)`` gives one rank's recorded collectives as rows (sequence id, operation,
   shapes, state, the learner's frame), ``print_records(dumps)`` prints the last ones of every rank;
 - ``py_spy_dump(pid)`` runs ``py-spy dump --pid`` on a live process and ``stuck_frame(stack)``
-  picks from its output the innermost frame that is not torch's or the interpreter's own.
+  picks from its main thread (``main_thread(stack)``) the innermost frame that is not torch's or the
+  interpreter's own.
 
 A dump, as torch 2.13 writes it, is a dict: ``version``, ``pg_config`` (the groups and their ranks),
 ``pg_status`` (per group: the last collective enqueued, started, completed) and ``entries``, one per
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Collective", "load_dumps", "collectives", "learner_frame", "print_records",
-           "py_spy_dump", "stuck_frame", "PY_SPY"]
+           "py_spy_dump", "main_thread", "stuck_frame", "PY_SPY"]
 
 # py-spy installs one executable beside the interpreter (`.venv/bin/py-spy`).
 PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
@@ -98,10 +99,15 @@ def py_spy_dump(pid: int, timeout: float = 30.0) -> str:
     return _ANSI.sub("", r.stdout)  # py-spy colours its output even into a pipe
 
 
+def main_thread(stack: str) -> str:
+    """The part of a py-spy dump that shows the main thread (the first thread when none is named so)."""
+    threads = ["Thread " + t for t in stack.split("\nThread ")[1:]]
+    return next((t for t in threads if '"MainThread"' in t.splitlines()[0]), threads[0] if threads else stack)
+
+
 def stuck_frame(stack: str) -> str:
-    """The innermost frame of py-spy's first (main) thread that belongs to the learner's code."""
-    thread = stack.split("\nThread ")[1] if "\nThread " in stack else stack
-    for line in thread.splitlines()[1:]:
+    """The innermost frame of py-spy's main thread that belongs to the learner's code."""
+    for line in main_thread(stack).splitlines()[1:]:
         m = re.match(r"\s+(\S+) \((.+):(\d+)\)", line)
         if m and not _NOT_LEARNER.search(m.group(2)):
             return f"{Path(m.group(2)).name}:{m.group(3)} in {m.group(1)}"
