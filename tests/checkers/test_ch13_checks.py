@@ -4,6 +4,7 @@ its catalogue with its message; the recorded dumps are what the recording script
 from __future__ import annotations
 
 import collections
+import pickle
 
 import pytest
 from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
@@ -12,7 +13,14 @@ from course_utils.checking import CheckFailed
 from course_utils.checks import check_find_culprit
 from course_utils.checks.ch13 import a_find_culprit
 from course_utils.checks.ch13.a_find_culprit import FAILURES, load_recorded, reference_culprit
-from course_utils.measure.ch13 import collectives, learner_frame
+from course_utils.measure.ch13 import (
+    collectives,
+    learner_frame,
+    load_dumps,
+    main_thread,
+    print_records,
+    stuck_frame,
+)
 
 # ---- the recorded dumps --------------------------------------------------------------------------
 
@@ -201,3 +209,39 @@ def test_rejects_stub_none_and_bad_returns():
                                                                           kind="mismatch"))
     with pytest.raises(CheckFailed, match="without the key 'ranks'"):
         check_find_culprit(lambda dumps: reference_culprit(dumps) and {"kind": "collective", "seq_id": 10})
+
+
+# ---- the lesson's readers -------------------------------------------------------------------------
+
+PY_SPY_OUTPUT = """Process 4242: python -u ch13_hang.py --fault missing
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 4250 (active): "Thread-1 (import_module)"
+    _find_and_load (<frozen importlib._bootstrap>:1176)
+    import_module (/usr/lib/python3.11/importlib/__init__.py:126)
+Thread 4242 (idle): "MainThread"
+    all_reduce (/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:3245)
+    wrapper (/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py:83)
+    train_step (/work/notebooks/ch13_hang.py:45)
+    main (/work/notebooks/ch13_hang.py:69)
+"""
+
+
+def test_the_main_thread_and_its_stuck_frame_are_read_from_py_spy():
+    assert main_thread(PY_SPY_OUTPUT).startswith('Thread 4242 (idle): "MainThread"')
+    assert stuck_frame(PY_SPY_OUTPUT) == "ch13_hang.py:45 in train_step"
+    only_torch = "Thread 1 (idle)\n    all_reduce (/venv/lib/python3.11/site-packages/torch/x.py:1)\n"
+    assert stuck_frame(only_torch) == "(no frame outside torch)"
+
+
+def test_load_dumps_reads_every_rank_file_and_nothing_else(tmp_path, capsys):
+    for rank, dump in load_recorded("missing").items():
+        (tmp_path / f"rank{rank}.pkl").write_bytes(pickle.dumps(dump))
+    (tmp_path / "rank_notes.pkl").write_bytes(b"")
+    (tmp_path / "pid0").write_text("1")
+    dumps = load_dumps(tmp_path)
+    assert list(dumps) == [0, 1, 2, 3]
+    print_records(dumps, last=2)
+    out = capsys.readouterr().out
+    assert "rank 2: 9 collective(s) recorded, the last 2:" in out
+    assert "  12  all_reduce  1            scheduled  record_ch13_dumps.py:" in out
