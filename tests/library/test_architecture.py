@@ -109,7 +109,8 @@ def _function_imports(path: Path) -> list[tuple[int, str]]:
 
 
 def test_importing_the_checkers_leaves_the_slow_parts_of_torch_unimported():
-    code = ("import sys, course_utils.checks, course_utils.measure.ch11, course_utils.measure.ch12\n"
+    code = ("import sys, course_utils.checks, course_utils.measure.ch11, course_utils.measure.ch12, "
+            "course_utils.measure.ch13\n"
             f"print([m for m in sys.modules if m.startswith({SLOW_TORCH!r})])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
