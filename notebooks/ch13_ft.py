@@ -11,6 +11,7 @@ a quorum, all-reduces the gradients across the replica groups in it, and steps t
 if the manager says the step may commit. ``--kill-at K`` makes the replica kill itself with SIGKILL
 at step K of its first attempt; its torchrun starts a new process, which joins the next quorum and
 is healed: the manager copies the model and optimizer state from a replica that is up to date.
+``--rejoin-after N`` makes that replacement wait until the survivor has committed N steps alone.
 
 ``restart``: the same training as plain DDP in one torchrun job, a checkpoint every
 ``--save-every`` steps; the same SIGKILL at step K, after which torchrun restarts every worker and
@@ -106,7 +107,7 @@ def pace(started, step_time):
 
 def lighthouse(args):
     """The lighthouse: forms a quorum of replica groups for every step; stops when they are done."""
-    from torchft._torchft import LighthouseServer
+    from torchft._torchft import LighthouseServer  # torchft where it is used: `restart` runs without it
 
     server = LighthouseServer(bind=f"127.0.0.1:{args.port}", min_replicas=1, join_timeout_ms=10000,
                               quorum_tick_ms=50, heartbeat_timeout_ms=args.heartbeat_timeout_ms)
@@ -175,7 +176,7 @@ def ft(args):
     log = StepLog(folder / f"ft-r{args.replica}-a{attempt}.jsonl")
     if attempt > 0 and args.rejoin_after > 0:
         wait_for_steps_alone(folder, args.replica, args.rejoin_after, args.stop_by)
-        log(event="waited", created=psutil.Process().create_time())
+        log(event="waited")
     data = split(make_dataset())[0].tensors
     model = make_model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
