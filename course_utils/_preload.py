@@ -1,5 +1,6 @@
 """Imported once by the launcher's fork server so that every worker starts with torch loaded."""
 
+import gc
 import os
 
 # This process is the fork server: it must never start one itself (see workers/prewarm.py).
@@ -31,6 +32,4 @@ import course_utils.workers.entry  # noqa: F401
 # collector of a worker never walks it: a worker's gc.collect() (the process-group teardown calls
 # one) takes milliseconds instead of one or two seconds, and does not copy each page it would
 # otherwise touch (copy-on-write after the fork).  Objects a worker creates are collected as usual.
-import gc  # noqa: E402
-
 gc.freeze()
