@@ -4,7 +4,8 @@ Workers import this file (``from ch12_mesh import mesh_groups, parity``); both n
 
 - ``mesh_groups()``: the process groups a 2 x 2 mesh creates, as lists of global ranks.
 - ``parity(steps)``: the same model, seed and batches trained by one process, DDP, FSDP2, tensor
-  parallelism, FSDP2 x TP on a 2 x 2 mesh and HSDP; each configuration's loss per step.
+  parallelism, a two-stage pipeline (GPipe, ranks 0 and 1), FSDP2 x TP on a 2 x 2 mesh and HSDP;
+  each configuration's loss per step.
 
 Meshes are built on "cpu": FSDP2 over gloo on a machine with GPUs segfaults (pytorch/pytorch#132471).
 With NCCL and one GPU per rank, build them on "cuda" instead.
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -88,6 +90,34 @@ def _train(model, data, dp_rank, dp_size, dp_group):
     return losses
 
 
+def _train_pipeline(data, rank, micro=4):
+    """GPipe over two stages on ranks 0 and 1 (up + ReLU, then down); ranks 2 and 3 wait.
+
+    The schedule divides the gradients by the number of micro-batches, so that the sum over the
+    micro-batches' mean losses gives the whole batch's mean loss's gradient.  The loss exists on
+    the last stage only: rank 1 broadcasts it to every rank.
+    """
+    pair = dist.new_group([0, 1])  # every rank calls new_group, also those not in it
+    losses = torch.zeros(len(data))
+    if rank < 2:
+        full = make_model()
+        part = nn.Sequential(full.up, nn.ReLU()) if rank == 0 else full.down
+        stage = PipelineStage(part, rank, 2, torch.device("cpu"), group=pair)
+        schedule = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=F.mse_loss)
+        opt = torch.optim.SGD(part.parameters(), lr=LR)
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            micro_losses = []
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=micro_losses)
+                losses[i] = torch.stack(micro_losses).mean()
+            opt.step()
+    dist.broadcast(losses, src=1)
+    return losses.tolist()
+
+
 def parity(steps=8):
     # FSDP2 warns that the root's output is a view; nothing here writes into it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
@@ -106,6 +136,7 @@ def parity(steps=8):
 
         tp1 = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         curves["TP"] = _train(parallelize_module(make_model(), tp1, TP_PLAN), data, 0, 1, None)
+        curves["PP"] = _train_pipeline(data, rank)
 
         mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
         m = parallelize_module(make_model(), mesh2["tp"], TP_PLAN)
