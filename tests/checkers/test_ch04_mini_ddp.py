@@ -205,6 +205,15 @@ class BlockingAllReduceInHook(nn.Module):
         pass  # already done in the hooks
 
 
+class AveragesWithOtherCollectives(BlockingAllReduceInHook):
+    """"Any collectives that average will do": a reduce to rank 0, then a broadcast back."""
+
+    def average(self, p):
+        dist.reduce(p.grad, 0)
+        dist.broadcast(p.grad, 0)
+        p.grad /= dist.get_world_size()
+
+
 class AsyncButWaitsInHook(BlockingAllReduceInHook):
     """async_op=True, then wait at once: as blocking as the synchronous call."""
 
@@ -515,6 +524,9 @@ WRONG = {
         HooksInForward, r"step 1: every gradient was all-reduced 2 times in one step: the hooks were "
                         r"registered again.*Register them once, in __init__"),
     "StoresModelElsewhere": (StoresModelElsewhere, r"the wrapper's `\.module` is NoneType"),
+    "AveragesWithOtherCollectives": (
+        AveragesWithOtherCollectives, r"step 0: the gradients were averaged without dist\.all_reduce "
+                                      r"\(a reduce then a broadcast"),
 }
 
 

@@ -143,6 +143,14 @@ CATALOGUE = Catalogue(
         "steps are divided again (when .grad is zeroed in place, these are this step's gradient "
         "tensors). Empty the list at the end of finish_gradient_synchronization()."),
     Misconception(
+        "AveragesWithOtherCollectives", "any collectives that average the gradients will do",
+        "the gradients are DDP's, but no dist.all_reduce was called",
+        "the gradients were averaged without dist.all_reduce (a reduce then a broadcast, an "
+        "all_gather, ...): the values are right, but that is two collectives where one does it, and "
+        "the exercise is the one DDP uses. In each gradient's hook start "
+        "dist.all_reduce(p.grad, async_op=True), and wait for the handles in "
+        "finish_gradient_synchronization()."),
+    Misconception(
         "SumsWithoutDividing", "DDP all-reduces the gradients, and all_reduce sums",
         "the gradients are world-size times torch DDP's",
         "you summed them over the ranks but did not divide by the world size. DDP averages."),
@@ -387,6 +395,8 @@ def _judge(outcomes: list[Outcome]) -> None:
                 at = f"{res['case']}, rank {res['rank']} of {world}, step {step}"
                 _judge_communication(at, s, res["trainable"])
                 _judge_values(at, s, world)
+                if not s["reduces"]:  # the right values, but not from an all-reduce
+                    raise CheckFailed(f"{at}: {_hint('AveragesWithOtherCollectives')}")
     # Buffers may differ: each rank's BatchNorm statistics follow its own data, as with torch
     # DDP(forward_sync_buffers=False).
     outcomes = judge(outcomes, world=world)
