@@ -5,10 +5,9 @@ one file at a time per worker (``--dist loadfile``).  Files are handed out in co
 a long file came last, one worker would run it alone while the other sat idle.  So the collection
 is sorted by each file's expected time, longest first:
 
-- a notebook: its ``wall_s`` in ``benchmarks/results/chapter_times.json`` (``make notebooks``);
-- a test file: its seconds in ``tests/seconds.json`` (``tools/test_seconds.py`` writes it from a
-  ``pytest --durations=0`` run);
-- a file in neither: ``UNKNOWN_SECONDS_PER_TEST`` per test.
+- a test file or notebook: its seconds in ``tests/seconds.json`` (``tools/test_seconds.py`` writes
+  it from a ``make test PYTEST_ARGS=--durations=0`` run, so that both were timed alike);
+- a file not in it: ``UNKNOWN_SECONDS_PER_TEST`` per test (a notebook: per code cell).
 
 Within a file the order is kept (a notebook's cells run in order in one kernel).  A notebook's
 cells are never rerun: ``--reruns`` is for the unit tests, and a cell run twice in the same kernel
@@ -23,25 +22,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent
-NOTEBOOK_TIMES = ROOT / "benchmarks" / "results" / "chapter_times.json"
 TEST_TIMES = ROOT / "tests" / "seconds.json"
 UNKNOWN_SECONDS_PER_TEST = 2.0
 
 
 def expected_seconds() -> dict[str, float]:
-    """Seconds per file (paths relative to the repository), from the two measurement files."""
-    seconds: dict[str, float] = {}
+    """Seconds per file (paths relative to the repository); empty when the file is missing."""
     try:
-        for path, row in json.loads(NOTEBOOK_TIMES.read_text())["notebooks"].items():
-            if isinstance(row, dict) and isinstance(row.get("wall_s"), (int, float)):
-                seconds[path] = float(row["wall_s"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # no measurements: every file counts by its number of tests
-    try:
-        seconds.update({k: float(v) for k, v in json.loads(TEST_TIMES.read_text()).items()})
+        return {k: float(v) for k, v in json.loads(TEST_TIMES.read_text()).items()}
     except (OSError, ValueError, TypeError, AttributeError):
-        pass
-    return seconds
+        return {}  # no measurements: every file counts by its number of tests
 
 
 def _relative(item: pytest.Item) -> str:

@@ -7,8 +7,7 @@ workers finish together.  Refresh it when tests grow or shrink a lot:
     .venv/bin/python tools/test_seconds.py durations.txt
 
 Test files and notebooks (their cells' times summed) are measured in the same run, so their
-times compare.  A notebook missing from the file falls back to `make notebooks`' measurement
-(benchmarks/results/chapter_times.json).
+times compare.
 """
 
 from __future__ import annotations
