@@ -25,7 +25,7 @@ WHEELHOUSE ?= wheels
 WHEELS ?=
 PIP_OFFLINE := $(if $(WHEELS),PIP_NO_INDEX=1 PIP_FIND_LINKS="$(abspath $(WHEELS))",)
 
-.PHONY: lab test wheelhouse lint exercises notebooks doctor which-torch bench clean
+.PHONY: lab test wheelhouse lint exercises notebooks doctor which-torch update bench clean
 
 # The environment in three steps: .venv with torch (the build tools/which_torch.py chooses), then
 # the course with what it needs (`make lab`), or with the test tools too (`make test`, one install).
@@ -98,6 +98,11 @@ doctor:
 
 which-torch:
 	@$(COURSE_PYTHON) $(WHICH_TORCH)
+
+# A course update that keeps your work: your changed files are copied to my-work/, the tracked
+# ones restored, `git pull --ff-only` run, your exercise answers put back (tools/update_course.py).
+update:
+	$(PYTHON) tools/update_course.py $(if $(DRY),--dry-run)
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/launch_overhead.py

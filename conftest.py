@@ -12,11 +12,19 @@ is sorted by each file's expected time, longest first:
 Within a file the order is kept (a notebook's cells run in order in one kernel).  A notebook's
 cells are never rerun: ``--reruns`` is for the unit tests, and a cell run twice in the same kernel
 proves nothing.
+
+One thread for torch in every process of the run (``OMP_NUM_THREADS=1``, unless already set): two
+test processes share the two cores, and the kernels they start would otherwise each run torch's
+CPU operations on two OpenMP threads that wait for each other whenever the other process holds a
+core (measured: chapter 02's DataParallel cell took 36 s instead of 3 s next to one busy core).
+The launcher gives its workers their own thread budget either way, and ``make notebooks``, which
+writes the committed outputs, does not run under pytest.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -24,6 +32,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent
 TEST_TIMES = ROOT / "tests" / "seconds.json"
 UNKNOWN_SECONDS_PER_TEST = 2.0
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before any test imports torch (see above)
 
 
 def expected_seconds() -> dict[str, float]:

@@ -12,8 +12,10 @@ temporary folder, so that the template can be submitted unchanged:
 What it starts, all of it private to this cluster:
 
 * ``munged`` with a throwaway key and its own socket (Slurm authenticates every message with it);
-* ``slurmctld``, the controller, in this machine's network stack at ``10.207.K.254`` (K: the
-  first of these subnets that is free, so that several clusters can run at once);
+* ``slurmctld``, the controller, at ``10.207.K.254`` (K: the first of these subnets that is free,
+  so that several clusters can run at once), in a network namespace of its own: it listens on
+  every address it has, and there it has only that one, behind the cluster's switch; this machine
+  reaches it from ``10.207.K.253``, so Slurm's commands (``sbatch``, ``squeue``) run here as usual;
 * two ``slurmd``, the nodes ``node1`` and ``node2``, each in a network namespace of its own (its
   own interfaces, addresses and ports, like a separate machine) with its own host name (a UTS
   namespace) and an ``/etc/hosts`` in which every node name resolves (``ip netns exec`` mounts
@@ -27,8 +29,9 @@ own ports and keeps its state, spool and logs in its own folder, so a Slurm inst
 machine already has is left alone. :meth:`LocalCluster.stop` (run by the ``with`` block, also on an
 error or Ctrl-C, and at interpreter exit) cancels the jobs, stops every daemon, kills whatever is
 left in the node namespaces, deletes the namespaces and the folder. If the process that started the
-cluster is killed outright, its daemons get SIGTERM from the kernel (a parent-death signal), and
-the namespaces and files it left are removed by the next start (or ``remove_leftovers()``).
+cluster is killed outright (``kill -9``, the OOM killer), its daemons get SIGTERM from the kernel (a
+parent-death signal), and the cluster's reaper, a small process of its own that waits for nothing
+else, removes the jobs' processes, the namespaces and the folder within a second or so.
 
 Needs Linux, root, the ``ip`` tool, ``unshare``, and the Debian packages ``slurm-wlm`` and
 ``munge`` (Slurm 22.05 was used to write this); :func:`unavailable_reason` says what is missing.
@@ -45,6 +48,7 @@ import glob
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -199,15 +203,45 @@ def remove_leftovers() -> list[str]:
     return removed
 
 
+def _reap(owner: int, tag: str, folder: str) -> None:
+    """The cluster's reaper, a process of its own (``python slurm_cluster.py --reap ...``): it waits
+    for the cluster's owner to die, by any signal, then removes what the cluster left: the jobs'
+    processes and the daemons (killed with their namespaces), the namespaces, link and folder.
+    ``LocalCluster.stop`` ends it first, so it acts only when the owner could not clean up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the owner's terminal
+    try:
+        fd = os.pidfd_open(owner)   # readable once the owner has exited (even before it is reaped)
+    except (OSError, AttributeError):
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])
+    else:
+        while _alive(owner):
+            time.sleep(0.5)
+    _delete_network(tag)            # kills every process in the namespaces first: jobs, slurmd, slurmctld
+    _stop_daemons(folder)           # munged (outside the namespaces), if its parent-death signal missed
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _start_reaper(tag: str, folder: str) -> subprocess.Popen:
+    """This module's file run by this Python, without importing course_utils (nor torch): quick."""
+    return subprocess.Popen([sys.executable, "-S", os.path.abspath(__file__), "--reap",
+                             str(os.getpid()), tag, folder],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 @dataclasses.dataclass
 class LocalCluster:
     folder: str        # everything of this cluster: slurm.conf, keys, state, spool, logs
     conf: str          # its slurm.conf
     env: dict          # the environment for Slurm commands (SLURM_CONF and PATH)
     nodes: dict        # node name -> its network namespace
+    controller: str = ""  # the network namespace slurmctld runs in
     tag: str = ""      # "<owner pid>-<K>": part of every name the cluster gives
     subnet: str = ""   # NETWORK.K: node1 is .1, node2 .2, the controller .254
     _procs: list = dataclasses.field(default_factory=list)
+    _reaper: subprocess.Popen | None = None
     _stopped: bool = False
 
     # ---- commands ---------------------------------------------------------------------------
@@ -258,6 +292,9 @@ class LocalCluster:
         if self._stopped:
             return
         self._stopped = True
+        if self._reaper is not None:  # this process cleans up itself
+            self._reaper.kill()
+            self._reaper.wait()
         with contextlib.suppress(Exception):
             self.run("scancel", "--full", "--user", "root", check=False, timeout=10)
         for netns in self.nodes.values():   # slurmd, slurmstepd and every job process
@@ -339,27 +376,34 @@ def _free_port() -> int:
 
 
 def _make_network(tag: str, subnet: str) -> dict:
-    """The switch, the controller's link to it, and one namespace per node, plugged in."""
+    """The switch, the controller's namespace and this machine's links to it, and one namespace per
+    node, plugged in. Returns the namespaces by name: the nodes', and "ctl" for the controller's."""
     lan = f"{PREFIX}-{tag}-lan"
     nodes = {n: f"{PREFIX}-{tag}-{n}" for n in NODES}
+    ctl = f"{PREFIX}-{tag}-ctl"
     _run(["ip", "netns", "add", lan])
     _run(["ip", "-n", lan, "link", "add", "br0", "type", "bridge"])
     _run(["ip", "-n", lan, "link", "set", "br0", "up"])
     _run(["ip", "-n", lan, "link", "set", "lo", "up"])
-    # This machine (the controller) gets one link to the switch.
+    # This machine gets one link to the switch, at .253: Slurm's commands run here and reach the
+    # controller across it. The controller (slurmctld listens on every address of its network
+    # stack, and Slurm has no setting to bind it to one) lives in a namespace of its own at .254,
+    # so that it can be reached through the switch only, not on this machine's own addresses.
     host_end = f"{PREFIX}{tag}"  # at most 15 characters: cslurm + pid (7 digits) + -K
-    _run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", "ctl", "netns", lan])
-    _run(["ip", "addr", "add", f"{subnet}.254/24", "dev", host_end])
+    _run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", "host", "netns", lan])
+    _run(["ip", "addr", "add", f"{subnet}.253/24", "dev", host_end])
     _run(["ip", "link", "set", host_end, "up"])
-    _run(["ip", "-n", lan, "link", "set", "ctl", "master", "br0", "up"])
+    _run(["ip", "-n", lan, "link", "set", "host", "master", "br0", "up"])
     hosts = ["127.0.0.1 localhost", f"{subnet}.254 {socket.gethostname()}"]
     hosts += [f"{subnet}.{i} {n}" for i, n in enumerate(NODES, 1)]
-    for i, (name, netns) in enumerate(nodes.items(), 1):
+    plugged = {**nodes, "ctl": ctl}
+    addresses = {**{n: i for i, n in enumerate(NODES, 1)}, "ctl": 254}
+    for name, netns in plugged.items():
         _run(["ip", "netns", "add", netns])
         _run(["ip", "-n", lan, "link", "add", f"p{name}", "type", "veth", "peer", "name", "eth1",
               "netns", netns])
         _run(["ip", "-n", lan, "link", "set", f"p{name}", "master", "br0", "up"])
-        _run(["ip", "-n", netns, "addr", "add", f"{subnet}.{i}/24", "dev", "eth1"])
+        _run(["ip", "-n", netns, "addr", "add", f"{subnet}.{addresses[name]}/24", "dev", "eth1"])
         _run(["ip", "-n", netns, "link", "set", "eth1", "up"])
         _run(["ip", "-n", netns, "link", "set", "lo", "up"])
         os.makedirs(f"/etc/netns/{netns}", exist_ok=True)
@@ -369,7 +413,7 @@ def _make_network(tag: str, subnet: str) -> dict:
             # No name server on this network: a lookup that /etc/hosts cannot answer (torch asks
             # for the name of every peer's address) fails at once instead of timing out.
             f.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-    return nodes
+    return plugged
 
 
 # `ip netns exec` gives the node a mount namespace of its own and mounts a fresh /sys there (so
@@ -409,7 +453,10 @@ def start(timeout: float = 30.0) -> LocalCluster:
     cluster = LocalCluster(folder=folder, conf=conf, env=env, nodes={}, tag=tag, subnet=subnet)
     atexit.register(cluster.stop)
     try:
-        cluster.nodes = _make_network(tag, subnet)
+        cluster._reaper = _start_reaper(tag, folder)
+        plugged = _make_network(tag, subnet)
+        cluster.controller = plugged.pop("ctl")
+        cluster.nodes = plugged
         with open(conf, "w") as f:
             f.write(_slurm_conf(folder, subnet, _free_port(), [_free_port() for _ in NODES], "root"))
         open(os.path.join(folder, "plugstack.conf"), "w").close()
@@ -429,9 +476,9 @@ def start(timeout: float = 30.0) -> LocalCluster:
              f"--log-file={folder}/log/munged.log", f"--seed-file={m}/munged.seed"],
             stdout=log, stderr=log, start_new_session=True, preexec_fn=_die_with_us))
         _wait_for(lambda: os.path.exists(f"{m}/munge.socket"), "munged listening", timeout, folder)
-        cluster._procs.append(subprocess.Popen(
-            [_sbin("slurmctld"), "-D", "-i", "-f", conf], stdout=log, stderr=log, env=env,
-            start_new_session=True, preexec_fn=_die_with_us))
+        cluster._procs.append(subprocess.Popen(  # in its own namespace: see _make_network
+            ["ip", "netns", "exec", cluster.controller, _sbin("slurmctld"), "-D", "-i", "-f", conf],
+            stdout=log, stderr=log, env=env, start_new_session=True, preexec_fn=_die_with_us))
         for name, netns in cluster.nodes.items():
             # Own network (ip netns exec, which also mounts the node's /etc/hosts) and own host
             # name (unshare --uts): the node looks like a machine called `name`.
@@ -489,4 +536,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--reap"]:  # the reaper (see _start_reaper): owner pid, tag, folder
+        _reap(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    else:
+        main()

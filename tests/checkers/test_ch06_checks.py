@@ -53,14 +53,13 @@ def commands_nproc_cpu(node, master_addr, port, job_id, script, script_args):
                    "--max-restarts=1", script, *script_args]
 
 
-def commands_one_per_gpu(kind):
-    """--nproc-per-node given as a device kind, which torchrun turns into the machine's GPU count."""
-    @_both
-    def make_commands(node, master_addr, port, job_id, script, script_args):
-        return HEAD + ["--nnodes=2", f"--nproc-per-node={kind}", "--rdzv_backend=c10d",
-                       f"--rdzv_endpoint={master_addr}:{port}", f"--rdzv_id={job_id}",
-                       "--max-restarts=1", script, *script_args]
-    return make_commands
+def commands_one_per_gpu(node, master_addr, port, job_id, script, script_args):
+    """--nproc-per-node given as a device kind, which torchrun turns into the machine's GPU count:
+    "gpu" on node0 and "auto" on node1, so that one run tries both."""
+    kind = {"node0": "gpu", "node1": "auto"}[node]
+    return HEAD + ["--nnodes=2", f"--nproc-per-node={kind}", "--rdzv_backend=c10d",
+                   f"--rdzv_endpoint={master_addr}:{port}", f"--rdzv_id={job_id}",
+                   "--max-restarts=1", script, *script_args]
 
 
 @_both
@@ -121,20 +120,30 @@ def commands_one_node(master_addr, port, job_id, script, script_args):
     return {"node0": commands_right(master_addr, port, job_id, script, script_args)["node0"]}
 
 
-def test_launch_commands_accepts_the_c10d_commands_and_runs_them(capsys, no_leftover_processes):
-    check_launch_commands(commands_right)
+def test_launch_commands_accepts_one_worker_per_gpu_and_runs_the_commands(capsys,
+                                                                         no_leftover_processes):
+    # The numeric form (--nproc_per_node=2, commands_right) runs through the same checker in the
+    # solution notebook, under nbval; this run is the per-GPU forms', both node kinds at once.
+    check_launch_commands(_both(commands_one_per_gpu))
     out = capsys.readouterr().out
+    assert "--nproc_per_node=auto: one worker per GPU, 2 on each machine" in out  # the first, sorted
     assert "4 workers, RANK 0..3" in out
     assert "[PASS] 06.a launch commands" in out
 
 
-@pytest.mark.parametrize("kind", ["gpu", "auto"])
-def test_launch_commands_accepts_one_worker_per_gpu(kind, capsys, no_leftover_processes):
-    check_launch_commands(commands_one_per_gpu(kind))
-    out = capsys.readouterr().out
-    assert f"--nproc_per_node={kind}: one worker per GPU" in out
-    assert "4 workers, RANK 0..3" in out
-    assert "[PASS] 06.a launch commands" in out
+def test_launch_commands_reads_gpu_and_auto_as_the_gpu_count_before_running_anything():
+    cmds = _both(commands_one_per_gpu)("127.0.0.1", 29400, "job", "probe.py", ["--steps", "4"])
+    parsed = a_launch_commands._static_checks(cmds, "127.0.0.1", 29400, "job", "probe.py",
+                                              ["--steps", "4"])
+    for node in ("node0", "node1"):
+        simulated = a_launch_commands._as_simulated(cmds[node], parsed[node], 2)
+        assert a_launch_commands._torchrun_parser().parse_args(simulated[3:]).nproc_per_node == "2"
+        assert simulated[-3:] == ["probe.py", "--steps", "4"]
+    # commands_right, the numeric form, is left as written
+    right = commands_right("127.0.0.1", 29400, "job", "probe.py", ["--steps", "4"])
+    parsed = a_launch_commands._static_checks(right, "127.0.0.1", 29400, "job", "probe.py",
+                                              ["--steps", "4"])
+    assert a_launch_commands._as_simulated(right["node0"], parsed["node0"], 2) == right["node0"]
 
 
 # Each misconception of 06.a's catalogue: the wrong commands of the same name, and what the failure says.

@@ -2,7 +2,8 @@
 
 - the Slurm templates and the two-machine recipe parse (``bash -n``) and their dry runs print the
   commands a cluster needs (tests/system/test_slurm.py submits the templates to a real, local cluster);
-- the namespaces are made and always removed, also when the code inside fails (root only);
+- the namespaces are made and always removed, also when the code inside fails (root only); what
+  gloo does across them, with and without GLOO_SOCKET_IFNAME, the lesson's cells assert (section 4);
 - the lesson writes every ``ch06_*`` helper file (that each equals its cell: test_helper_files.py).
 """
 
@@ -11,13 +12,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from test_helper_files import writefile_cells
-
-from course_utils import free_port, run_commands
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 LESSON = NOTEBOOKS / "06_multi_node.ipynb"
@@ -156,28 +154,6 @@ def test_leftovers_of_a_dead_owner_are_removed():
 
 
 @needs_netns
-def test_gloo_across_hosts_needs_the_interface_name(no_leftover_processes):
-    """The host name resolves to loopback in each namespace: only GLOO_SOCKET_IFNAME fixes it."""
-    py = sys.executable
-    with netns.two_hosts() as (a, b):
-        def pair(with_ifname):
-            port = free_port()
-            env = (lambda h: ["env", f"GLOO_SOCKET_IFNAME={h.ifname}"]) if with_ifname else (lambda h: [])
-            return run_commands({h.name: h.cmd(*env(h), py, "ch06_pair.py", "--addr", a.addr,
-                                               "--port", port, "--rank", i, "--timeout", 3)
-                                 for i, h in enumerate((a, b))},
-                                timeout=30, cwd=NOTEBOOKS, echo=False,  # generous: a busy machine
-                                env={"TORCH_CPP_LOG_LEVEL": "FATAL"})
-        good = pair(True)
-        bad = pair(False)
-    assert all(r.ok for r in good), [r.output for r in good]
-    assert all("all_reduce gave 3" in r.output for r in good)
-    # One of the two (which one depends on timing) dials its peer at the loopback address the
-    # peer announced, and is refused; the other gives up after its own 3 s timeout.
-    assert not any(r.ok for r in bad)
-    assert "remote=[127.0.0.1]" in "".join(r.output for r in bad), [r.output for r in bad]
-
-
 # --------------------------------------------------------------------------------------------
 # The committed helper files are the lesson's %%writefile cells
 # --------------------------------------------------------------------------------------------

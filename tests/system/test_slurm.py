@@ -8,7 +8,9 @@ namespace of its own (see the module). On it:
 - the same job requeued mid-run (``scontrol requeue``) resumes from its checkpoint and ends with a
   model bit-identical to the uninterrupted run's;
 - ``ch06_slurm_srun.sh`` (srun alone, no torchrun) trains the same model;
-- the cluster leaves no process, namespace or file behind, also when the code using it fails.
+- the cluster leaves no process, namespace or file behind, also when the code using it fails, and
+  also (its reaper) when the process that started it is killed;
+- the controller listens in a namespace of its own, not on this machine's addresses.
 
 Needs root, Linux and the packages slurm-wlm and munge (``.ci/run`` installs them when it runs as
 root); elsewhere every test here is skipped and says why. The jobs are tiny (a few seconds each).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -156,3 +159,60 @@ def test_a_failing_block_leaves_nothing_behind():
             raise RuntimeError("a failure inside the block")
     left = _left_by(c)
     assert not any(left.values()), left
+
+
+def _listening_ports(netns: str | None = None) -> set[int]:
+    """The TCP ports something listens on, in this machine's network stack or in ``netns``."""
+    argv = ["ss", "-Hltn"] if netns is None else ["ip", "netns", "exec", netns, "ss", "-Hltn"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if line.strip()}
+
+
+def test_the_controller_listens_in_its_own_namespace_only(cluster):
+    port = int(next(line.split("=", 1)[1] for line in Path(cluster.conf).read_text().splitlines()
+                    if line.startswith("SlurmctldPort=")))
+    assert port in _listening_ports(cluster.controller)
+    assert port not in _listening_ports()  # nothing on this machine's own addresses
+    with pytest.raises(OSError):  # refused: loopback here is not the controller's
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    # ...while Slurm's commands on this machine reach it across the switch
+    assert "node1" in cluster.run("sinfo", "-h", "-N", "-o", "%N")
+
+
+_OWNER = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("slurm_cluster", sys.argv[1])
+sc = sys.modules["slurm_cluster"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sc)  # the module alone, without course_utils (nor torch): a quick start
+c = sc.start()
+job = c.sbatch("--wrap", f"srun sleep {sys.argv[2]}", options=["-N", "2", "--output=/dev/null"])
+c.wait(job, states=("RUNNING",), timeout=30)
+print(c.tag, c.folder, c.conf, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_cluster_whose_owner_is_killed_is_removed_jobs_included():
+    token = str(600 + os.getpid() % 300)  # `sleep <token>`: this test's job processes
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, slurm_cluster.__file__, token],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        tag, folder, conf = owner.stdout.readline().split()
+        fake = type("C", (), {"tag": tag, "folder": folder, "conf": conf})
+        running = _left_by(fake)
+        assert all(running.values()), running
+        assert any(p.info["cmdline"][-2:] == ["sleep", token]
+                   for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"])
+        owner.kill()  # no clean-up of its own: no atexit, no finally
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while any(_left_by(fake).values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_left_by(fake).values()), _left_by(fake)
+        assert not [p for p in psutil.process_iter(["cmdline"])
+                    if (p.info["cmdline"] or [])[-2:] == ["sleep", token]]
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        slurm_cluster.remove_leftovers()
