@@ -1,9 +1,9 @@
-"""The order of `make test`: the longest files first, so that the two workers finish together.
+"""The order of `make test`: the longest files first, so that the workers finish together.
 
-`make test` runs the unit tests and the notebooks (nbval) in one pytest session on two workers,
-one file at a time per worker (``--dist loadfile``).  Files are handed out in collection order; if
-a long file came last, one worker would run it alone while the other sat idle.  So the collection
-is sorted by each file's expected time, longest first:
+`make test` runs the unit tests and the notebooks (nbval) in one pytest session on three workers
+(``JOBS`` in the Makefile), one file at a time per worker (``--dist loadfile``).  Files are handed
+out in collection order; if a long file came last, one worker would run it alone while the others
+sat idle.  So the collection is sorted by each file's expected time, longest first:
 
 - a test file or notebook: its seconds in ``tests/seconds.json`` (``tools/test_seconds.py`` writes
   it from a ``make test PYTEST_ARGS=--durations=0`` run, so that both were timed alike);
@@ -13,8 +13,8 @@ Within a file the order is kept (a notebook's cells run in order in one kernel).
 cells are never rerun: ``--reruns`` is for the unit tests, and a cell run twice in the same kernel
 proves nothing.
 
-One thread for torch in every process of the run (``OMP_NUM_THREADS=1``, unless already set): two
-test processes share the two cores, and the kernels they start would otherwise each run torch's
+One thread for torch in every process of the run (``OMP_NUM_THREADS=1``, unless already set):
+several test processes share the two cores, and the kernels they start would otherwise each run torch's
 CPU operations on two OpenMP threads that wait for each other whenever the other process holds a
 core (measured: chapter 02's DataParallel cell took 36 s instead of 3 s next to one busy core).
 The launcher gives its workers their own thread budget either way, and ``make notebooks``, which
