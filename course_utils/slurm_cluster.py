@@ -292,9 +292,6 @@ class LocalCluster:
         if self._stopped:
             return
         self._stopped = True
-        if self._reaper is not None:  # this process cleans up itself
-            self._reaper.kill()
-            self._reaper.wait()
         with contextlib.suppress(Exception):
             self.run("scancel", "--full", "--user", "root", check=False, timeout=10)
         for netns in self.nodes.values():   # slurmd, slurmstepd and every job process
@@ -311,6 +308,10 @@ class LocalCluster:
         _stop_daemons(self.folder)
         _delete_network(self.tag)
         shutil.rmtree(self.folder, ignore_errors=True)
+        if self._reaper is not None:  # last: if this clean-up is interrupted, the reaper finishes
+            # it once this process has exited
+            self._reaper.kill()
+            self._reaper.wait()
         with contextlib.suppress(ValueError):
             atexit.unregister(self.stop)
 
