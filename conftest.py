@@ -15,7 +15,7 @@ proves nothing.
 
 One thread for torch in every process of the run (``OMP_NUM_THREADS=1``, unless already set):
 several test processes share the two cores, and the kernels they start would otherwise each run torch's
-CPU operations on two OpenMP threads that wait for each other whenever the other process holds a
+CPU operations on two OpenMP threads that wait for each other whenever another process holds a
 core (measured: chapter 02's DataParallel cell took 36 s instead of 3 s next to one busy core).
 The launcher gives its workers their own thread budget either way, and ``make notebooks``, which
 writes the committed outputs, does not run under pytest.
