@@ -129,6 +129,58 @@ def averages_the_loss(model, batches, lr):
     return model
 
 
+def _step_then_average(model, batches, lr, average):
+    # "averaging the weights after each step is the same": with SGD it reaches DDP's numbers
+    _broadcast(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        with torch.no_grad():
+            average(list(model.parameters()), dist.get_world_size())
+    return model
+
+
+def _each_in_place(params, world):
+    for p in params:
+        dist.all_reduce(p.data)
+        p.data /= world
+
+
+def _each_as_a_copy(params, world):
+    for p in params:
+        mean = p.detach().clone()
+        dist.all_reduce(mean)
+        p.copy_(mean / world)
+
+
+def _all_in_one_buffer(params, world):
+    flat = torch.cat([p.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    for p, part in zip(params, (flat / world).split([p.numel() for p in params])):
+        p.copy_(part.view_as(p))
+
+
+def averages_parameters(model, batches, lr):
+    return _step_then_average(model, batches, lr, _each_in_place)
+
+
+def averages_copies_of_the_parameters(model, batches, lr):
+    return _step_then_average(model, batches, lr, _each_as_a_copy)
+
+
+def averages_the_parameters_in_one_buffer(model, batches, lr):
+    return _step_then_average(model, batches, lr, _all_in_one_buffer)
+
+
+@pytest.mark.parametrize("answer", [averages_copies_of_the_parameters,
+                                    averages_the_parameters_in_one_buffer], ids=lambda f: f.__name__)
+def test_averaging_copies_of_the_parameters_is_named_too(answer, no_leftover_processes):
+    with pytest.raises(CheckFailed, match=r"all-reduced the parameters, not their gradients"):
+        check_hand_allreduce(answer, world_sizes=(2,))
+
+
 def weights_only(model, batches, lr):
     world = dist.get_world_size()
     _broadcast(model)
@@ -181,6 +233,9 @@ WRONG = {
     "averages_the_loss": (averages_the_loss,
                           r"(?s)all-reduced a tensor of the autograd graph \(the loss\).*does not "
                           r"average the gradients.*all-reduce every p\.grad", {}),
+    "averages_parameters": (averages_parameters,
+                            r"(?s)all-reduced the parameters, not their gradients \(\d+ call\(s\) "
+                            r"given a parameter.*only because SGD's update is linear.*with Adam", {}),
     "weights_only": (weights_only, r"(?s)net\.0\.bias .*DIFFERENT.*all-reducing only some parameters", {}),
     "forgets_return": (forgets_return, r"returned None on rank 0; expected the trained model", {}),
     # Rank 1 finishes and leaves while rank 0 waits in all_reduce; if rank 1 could not leave, the

@@ -64,6 +64,15 @@ CATALOGUE = Catalogue(
         "registered'), so backward still gives each rank the gradient of its own loss. After "
         "loss.backward(), all-reduce every p.grad and divide it by the world size."),
     Misconception(
+        "averages_parameters",
+        "averaging the weights after each step is the same as averaging the gradients",
+        "dist.all_reduce was given the parameters (their memory, or a copy of their values), not their .grad",
+        "Averaging the parameters after optimizer.step() lands on DDP's numbers here only because "
+        "SGD's update is linear in the gradient (with momentum or weight decay too); with Adam, "
+        "whose update is not, the ranks would end elsewhere, and every rank's optimizer state "
+        "would follow its own gradient. DDP averages the gradients: after loss.backward() and "
+        "before optimizer.step(), all-reduce every p.grad and divide it by the world size."),
+    Misconception(
         "all_reduce_before_backward",
         "all-reduce the gradients, then backward (zero_grad set them to None: nothing is sent)",
         "the parameters equal training on the rank's own shard only",
@@ -112,10 +121,25 @@ def _sgd_variant(model, batches, lr, *, broadcast: bool, sync: str):
     return model
 
 
-def _in_graph(op: str, tensor: torch.Tensor | None) -> dict:
-    """A tensor of the autograd graph (a loss) all-reduced: autograd does not differentiate
-    through dist.all_reduce, so it never reaches the gradients."""
-    return {"in_graph": tensor is not None and tensor.grad_fn is not None}
+def _observer(model: torch.nn.Module) -> Callable[[str, torch.Tensor | None], dict]:
+    """What each all-reduce was given: a tensor of the autograd graph (a loss: autograd does not
+    differentiate through dist.all_reduce, so it never reaches the gradients), or a parameter of
+    ``model`` rather than its ``.grad``: its memory (``p``, ``p.data``) or, at the moment of the
+    call, its values (``p.detach().clone()``, or every parameter in one flat buffer)."""
+    parameters = list(model.parameters())
+    total = sum(p.numel() for p in parameters)
+
+    def is_parameter(t: torch.Tensor) -> bool:
+        with torch.no_grad():
+            if t.numel() == total and t.dim() == 1:  # every parameter in one flat buffer
+                return torch.equal(t, torch.cat([p.reshape(-1) for p in parameters]))
+            return any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+                       or (t.shape == p.shape and torch.equal(t, p)) for p in parameters)
+
+    def annotate(op: str, tensor: torch.Tensor | None) -> dict:
+        return {"in_graph": tensor is not None and tensor.grad_fn is not None,
+                "on_parameter": tensor is not None and is_parameter(tensor)}
+    return annotate
 
 
 def _worker(train_fn: Callable) -> Outcome:
@@ -145,9 +169,10 @@ def _worker(train_fn: Callable) -> Outcome:
 
         # The learner's function, on its own copy of the same start and data.
         where = f"rank {pg.rank} of {pg.world}"
+        model = copy.deepcopy(init)
         try:
-            with CollectiveSpy(("all_reduce",), annotate=_in_graph) as spy:
-                got = train_fn(copy.deepcopy(init), [(x.clone(), y.clone()) for x, y in batches], _LR)
+            with CollectiveSpy(("all_reduce",), annotate=_observer(model)) as spy:
+                got = train_fn(model, [(x.clone(), y.clone()) for x, y in batches], _LR)
         except NotImplementedError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to the learner with the rank
@@ -169,6 +194,7 @@ def _worker(train_fn: Callable) -> Outcome:
         return Outcome(pg.rank, data={
             "expected": expected, "got": got_state, "variants": variant_states,
             "loss_all_reduces": sum(c.extra["in_graph"] for c in spy.calls),
+            "parameter_all_reduces": sum(c.extra["on_parameter"] for c in spy.calls),
         })
 
 
@@ -203,9 +229,14 @@ def _judge(outcomes: list[Outcome], world: int) -> None:
 def _judge_rank(o: Outcome, world: int) -> None:
     """Name the cause from the reference variants when this rank's parameters are not DDP's."""
     got, v = o.data["got"], o.data["variants"]
+    where = f"rank {o.rank} of {world}"
+    if o.data["parameter_all_reduces"]:  # checked first: with SGD the numbers can still be right
+        raise CheckFailed(
+            f"on {where} your code all-reduced the parameters, not their gradients "
+            f"({o.data['parameter_all_reduces']} call(s) given a parameter or a copy of its values). "
+            + _hint("averages_parameters"))
     if close(o.data["expected"], got, atol=ATOL):
         return
-    where = f"rank {o.rank} of {world}"
     if close(v["sum"], got, atol=ATOL):
         raise CheckFailed(
             f"on {where} the parameters are what training with the SUM of the gradients gives "
