@@ -568,6 +568,21 @@ def loader_strided(dataset, batch_size, epoch):  # a hand-made shard that forget
     return DataLoader(Subset(dataset, range(rank, 80, 2)), batch_size=batch_size, shuffle=True)
 
 
+def loader_fixed_shards(dataset, batch_size, epoch):  # shuffled, but always the same half
+    rank = dist.get_rank()
+    return DataLoader(Subset(dataset, range(rank, len(dataset), 2)), batch_size=batch_size, shuffle=True)
+
+
+def loader_repeats_epoch_1(dataset, batch_size, epoch):  # epoch 2 repeats epoch 1, not epoch 0
+    return _loader(dataset, batch_size, min(epoch, 1))
+
+
+def test_09b_compares_every_pair_of_epochs():
+    with pytest.raises(CheckFailed, match=r"rank 0: epoch 2 visits the samples in exactly the same "
+                                          r"order as epoch 1"):
+        check_distributed_loader(loader_repeats_epoch_1)
+
+
 def sync_in_own_order(metrics):
     return _sync(metrics, order="own")
 
@@ -667,6 +682,8 @@ WRONG_B = _wrong(
     (loader_seed_per_rank,
      r"(?s)seen by more than one rank.*DistributedSamplers have different seeds \(0, 1\).*same seed", None),
     (loader_shuffle_and_sampler, r"(?s)mutually exclusive.*the sampler shuffles.*no shuffle=", None),
+    (loader_fixed_shards, r"(?s)every rank read the same 48 samples in each of the 3 epochs.*the split "
+                          r"is fixed.*set_epoch", None),
 )
 
 WRONG_C = _wrong(

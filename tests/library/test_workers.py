@@ -111,21 +111,24 @@ def test_a_fractional_quota_still_gets_one_core(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 _PROBE = textwrap.dedent("""
-    import os, sys, time, psutil
-    t0 = time.perf_counter()
+    import psutil
     import course_utils
-    imported = time.perf_counter() - t0
-    time.sleep(float(sys.argv[1]))
-    me = psutil.Process()
-    servers = [p for p in me.children() if "forkserver" in " ".join(p.cmdline())]
-    print(len(servers), round(imported, 2))
+    from course_utils.workers import prewarm
+    # The background start is decided at import: when it was, wait for it to finish; when it was
+    # not, nothing can start a server later but a launch, so there is nothing to wait for.
+    if prewarm._started.is_set():
+        prewarm.wait_ready(90)
+    servers = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+    print(len(servers), prewarm._started.is_set())
 """)
 
 
-def _probe(env: dict[str, str], wait: float = 3.0) -> int:
+def _probe(env: dict[str, str]) -> int:
+    """The number of fork servers a fresh Python that imports course_utils (with ``env``) starts
+    (the prewarm test below sees its server with the same test of the command line)."""
     full = {k: v for k, v in os.environ.items() if k not in ("COURSE_PREWARM", "COURSE_LAUNCHER")}
     full.update(env)
-    out = subprocess.run([sys.executable, "-c", _PROBE, str(wait)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
                          timeout=120, env=full, cwd=ROOT, check=True).stdout.split()
     return int(out[0])
 

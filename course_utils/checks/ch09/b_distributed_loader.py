@@ -2,7 +2,8 @@
 
 ``make_loader(dataset, batch_size, epoch) -> DataLoader`` is called for epochs 0, 1 and 2 on two
 ranks; the sample ids each rank reads are audited (``course_utils.diagnose.check_duplicates``):
-disjoint shards that cover the data set, shuffled, in a new order every epoch.
+disjoint shards that cover the data set, shuffled, in a new order every epoch, and dealt anew (a
+rank's share of the data set changes between epochs).
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ CATALOGUE = Catalogue(
         "a rank reads its shard in index order",
         "reads its shard in index order: shuffle it (DistributedSampler(dataset, shuffle=True), its "
         "default)"),
+    Misconception(
+        "loader_fixed_shards",
+        "a fixed split of the data set, shuffled on each rank, reshuffles every epoch",
+        "every rank reads the same set of samples in every epoch (only their order changes)",
+        "the split is fixed: each rank only shuffles its own share. DistributedSampler permutes the "
+        "whole data set with seed + epoch before dealing it out, so with sampler.set_epoch(epoch) "
+        "every rank gets a different share each epoch"),
     Misconception(
         "loader_strided",
         "a shard cut by hand covers the data set",
@@ -147,8 +155,13 @@ def check_distributed_loader(make_loader: Callable, *, timeout: float = 20.0) ->
         orders = o["orders"]
         if orders[0] == sorted(orders[0]):
             raise CheckFailed(f"rank {r} " + _hint("loader_unshuffled"))
-        same = [e for e in range(1, len(orders)) if orders[e] == orders[0]]
+        same = [(a, b) for b in range(1, len(orders)) for a in range(b) if orders[a] == orders[b]]
         if same:
+            a, b = same[0]
             raise CheckFailed(
-                f"rank {r}: epoch {same[0]} visits the samples in exactly the same order as epoch "
-                "0.\nUsual mistake: " + _hint("loader_without_set_epoch"))
+                f"rank {r}: epoch {b} visits the samples in exactly the same order as epoch "
+                f"{a}.\nUsual mistake: " + _hint("loader_without_set_epoch"))
+    if all(len({frozenset(order) for order in o["orders"]}) == 1 for o in out):
+        raise CheckFailed(
+            f"every rank read the same {len(out[0]['orders'][0])} samples in each of the "
+            f"{_EPOCHS} epochs, in a new order each time: " + _hint("loader_fixed_shards"))
