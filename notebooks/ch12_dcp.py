@@ -9,9 +9,13 @@ Workers import this file (``from ch12_dcp import save_sharded, load_resharded``)
 - ``load_resharded(path)`` builds the same model for however many ranks run it, loads the checkpoint
   (DCP reshards: each rank reads the pieces of the saved shards that make up its new shard) and
   returns the full state, to compare with the one that was saved.
+- ``save_2d_load_fsdp(path)`` (4 ranks) does the same across layouts: it trains and saves the model
+  sharded two ways at once, FSDP2 x TP on a 2 x 2 mesh (section 3), and loads the files into FSDP2
+  alone over the same 4 ranks.
 """
 
 import copy
+import logging
 import os
 import time
 import warnings
@@ -25,17 +29,27 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 DIM, HIDDEN, STEPS = 64, 1024, 3
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, on CPU, on every rank
 
 
-def build(seed=0):
-    """The model and optimizer, sharded over every rank of the group (mesh on "cpu": see ch12_mesh)."""
+def build(seed=0, tp=1):
+    """The model and optimizer, sharded over every rank of the group (mesh on "cpu": see ch12_mesh).
+
+    With ``tp=2``, on a (world / 2) x 2 mesh instead: each Linear split in two across "tp" (chapter
+    11's column-then-row pair), and each half sharded by FSDP2 across "dp".
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, DIM))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if tp == 1:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    else:
+        mesh2 = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh2["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        mesh = mesh2["dp"]
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -104,3 +118,32 @@ def load_resharded(path):
         loaded = full_state(model, opt)
         return {"rank": rank, "world": world, "loaded": loaded if rank == 0 else None,
                 "local_shapes": local}
+
+
+def save_2d_load_fsdp(path):
+    warnings.filterwarnings("ignore", message=".*FSDP2-wrapped module")
+    # Gathering a 2D tensor in full takes two all-gathers; torch logs a note about it each time.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    with group() as (rank, world):
+        model, opt = build(tp=2)
+        for s in range(STEPS):
+            step(model, opt, s)
+        saved = copy.deepcopy(full_state(model, opt))
+        layout = {k: (str(v.placements), tuple(v.to_local().shape), tuple(v.shape))
+                  for k, v in model.state_dict().items()}
+        w = model[0].weight  # which rows of the full 0.weight this rank's piece is
+        full, mine = w.full_tensor(), w.to_local()
+        rows = [i for i in range(len(full)) if any(torch.equal(full[i], r) for r in mine)]
+        coordinate = w.device_mesh.get_coordinate()  # this rank's place on the (dp, tp) mesh
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/fsdp_x_tp")
+
+        model, opt = build(seed=1)  # FSDP2 alone: every tensor in 4 row blocks, other weights
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{path}/fsdp_x_tp")
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        loaded = full_state(model, opt)
+        return {"rank": rank, "coordinate": coordinate, "rows": (rows[0], rows[-1]),
+                "layout": layout, "saved": saved if rank == 0 else None,
+                "loaded": loaded if rank == 0 else None,
+                "new_local_shapes": {k: tuple(v.to_local().shape) for k, v in model.state_dict().items()}}
