@@ -488,3 +488,19 @@ def test_prediction_names_each_misconception(mistake, wrong):
     fn, fragment = wrong
     _names_the_mistake(check_comm_prediction, fn, mistake, fragment)
 
+
+
+def test_10b_counts_the_state_of_a_one_element_parameter():
+    """Which parameters hold optimizer state is found by key (all but AdamW's scalar "step"), so a
+    parameter of one element, whose moments have one element too, is seen as holding state."""
+    from course_utils.checks.ch10.b_sharded_optimizer import _state_of
+
+    params = [torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(3)),
+              torch.nn.Parameter(torch.ones(2))]
+    opt = torch.optim.AdamW(params[:2])
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    held, nbytes = _state_of(opt, params)
+    assert held == [0, 1]
+    assert nbytes == 2 * (1 + 3) * 4  # exp_avg and exp_avg_sq in fp32, no step counter

@@ -96,7 +96,9 @@ def _state_of(opt: Any, params: list[torch.Tensor]) -> tuple[list[int], int]:
     held, nbytes = set(), 0
     for o in optimizers_in(opt):
         for p, st in o.state.items():
-            tensors = [t for t in st.values() if isinstance(t, torch.Tensor) and t.numel() > 1]
+            # Every state tensor but the step counter (a scalar tensor in AdamW): a parameter of
+            # one element has state of one element, and it counts.
+            tensors = [t for k, t in st.items() if k != "step" and isinstance(t, torch.Tensor)]
             if tensors and id(p) in index:
                 held.add(index[id(p)])
                 nbytes += sum(t.numel() * t.element_size() for t in tensors)
