@@ -72,8 +72,9 @@ PYTEST_ARGS ?=
 test: lint
 	$(BIN)/python tools/exercises.py --check
 	# One retry per unit test: torch 2.13's gloo process groups can, rarely, abort a worker at
-	# exit (see CONTRIBUTING.md); a test that fails twice fails the run. Notebook cells never rerun.
-	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder --reruns 1 -rs \
+	# exit (see CONTRIBUTING.md); a test that fails twice fails the run, and -rR lists every rerun at the
+	# end. Notebook cells never rerun.
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder --reruns 1 -rsR \
 		--nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS) \
 		tests notebooks solutions $(RUN_TOGETHER:%=--ignore=%)
 
