@@ -1,7 +1,8 @@
 """The helper files committed beside the lessons are exactly what the lessons' ``%%writefile`` cells write.
 
 A learner who runs a lesson rewrites them; an edit made to the file alone would be undone then, and
-an edit made to the cell alone would leave the committed file stale.
+an edit made to the cell alone would leave the committed file stale.  Also: every notebook removes
+the temporary folders it makes (``tempfile.mkdtemp``), so that re-runs leave nothing in /tmp.
 """
 
 from __future__ import annotations
