@@ -50,8 +50,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parent.parent
 JUPYTER_PACKAGES = ["nbclient", "nbformat", "ipykernel", "ipywidgets"]
@@ -135,6 +133,10 @@ def _base_site_dirs() -> list[str]:
 
 def set_up(venv: Path, wheels: Path) -> Path:
     """Make the venv (once) and return its interpreter; raise SystemExit with the reason."""
+    # Only the set-up needs this process's torch (to compare with the venv's): the runner and the
+    # child that runs each notebook never import it, and start in a fraction of a second.
+    import torch
+
     py = venv / "bin" / "python"
     if not any(wheels.glob("*.whl")):
         raise SystemExit(f"no wheels in {wheels}/: run `make gpu-wheels` on a machine with network "

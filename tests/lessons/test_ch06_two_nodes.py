@@ -60,9 +60,13 @@ def _env_rows(results) -> list[dict]:
 
 
 def test_timeout_kills_agents_and_their_workers(job, no_leftover_processes):
-    """A job still training when the timeout comes: the agent and its workers are all gone after."""
+    """A job still training when the timeout comes: the agent and its workers are all gone after.
+
+    Each step lasts at least half a second (``--step-time``), so that the workers wait for the
+    timeout asleep instead of taking the cores from the tests running beside this one."""
     cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", f"--rdzv_id={job.name}",
-                      "ch06_train.py", "--steps", "100000000", "--log-every", "0", "--show-env",
+                      "ch06_train.py", "--steps", "100000000", "--step-time", "0.5", "--log-every", "0",
+                      "--show-env",
                       "--out", str(job / "final.pt")]
     # Long enough for an agent and two workers to import torch on a busy 2-core machine.
     (result,) = run_commands({"node0": cmd}, timeout=25, env=QUIET, cwd=NOTEBOOKS, echo=False)

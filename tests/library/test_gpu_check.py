@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -96,8 +97,10 @@ def _notebook(path: Path, *sources: str) -> Path:
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, dict]:
     out = tmp_path / "report"
+    # These notebooks launch no workers: their kernels need no fork server started in advance.
+    env = dict(os.environ, COURSE_PREWARM="0")
     proc = subprocess.run([sys.executable, str(SCRIPT), "--no-setup", "--out", str(out),
-                           *args], cwd=ROOT, capture_output=True, text=True, timeout=240)
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     report = json.loads((out / "report.json").read_text())
     return proc.returncode, report
 

@@ -317,7 +317,7 @@ def _workers_of(marker: str) -> tuple[list[int], int]:
     return pids, port
 
 
-def _wait_gone(pids: list[int], port: int, limit: float = 15.0) -> None:
+def _wait_gone(pids: list[int], port: int, limit: float = 15.0, what: str = "") -> None:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         alive = [p for p in pids if psutil.pid_exists(p)
@@ -325,28 +325,16 @@ def _wait_gone(pids: list[int], port: int, limit: float = 15.0) -> None:
         if not alive and not _port_is_bound(port):
             return
         time.sleep(0.2)
-    raise AssertionError(f"workers {alive} or port {port} survived")
-
-
-def test_keyboard_interrupt_stops_every_worker_and_frees_the_port(tmp_path):
-    proc, pids, port = _start_driver(tmp_path)
-    proc.send_signal(signal.SIGINT)
-    try:
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:  # never leave the driver (and its workers) to the next test
-            proc.kill()
-            proc.wait()
-            _wait_gone(pids, port)
-    assert proc.returncode == 7 and "interrupted" in out
-    _wait_gone(pids, port)
+    raise AssertionError(f"{what}: workers {alive} or port {port} survived")
 
 
 # Like IPython, the driver keeps every KeyboardInterrupt (and so the frames of its traceback) and
 # lives on after it; a second Ctrl-C that lands while launch cleans up must not stop the clean-up.
-# One driver serves every gap in turn, as one kernel would (a line on its stdin starts the next
-# launch, whose workers write to "<marker>-<round>").
-GAPS = (0.002, 0.005, 0.01)
+# One driver serves every round in turn, as one kernel would (a line on its stdin starts the next
+# launch, whose workers write to "<marker>-<round>"): one Ctrl-C, then two Ctrl-C 2, 5 and 10 ms
+# apart, then SIGKILL of the driver itself, like a kernel killed from JupyterLab or by the OOM killer.
+ONE_CTRL_C, KILL = "one Ctrl-C", "SIGKILL"
+ROUNDS = (ONE_CTRL_C, 0.002, 0.005, 0.01, KILL)
 _KEEPING_DRIVER = _DRIVER.replace("""try:
     launch(work, 2, args=(sys.argv[1],), timeout=300)
 except KeyboardInterrupt:
@@ -366,33 +354,35 @@ for round in range(ROUNDS):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("interrupted", len(kept), flush=True)
     sys.stdin.readline()
-""".replace("ROUNDS", str(len(GAPS))))
+""".replace("ROUNDS", str(len(ROUNDS))))
 assert _KEEPING_DRIVER != _DRIVER
 
 
-def test_two_quick_keyboard_interrupts_still_stop_every_worker_and_free_the_port(tmp_path):
+def test_ctrl_c_once_or_twice_and_the_kernel_death_stop_every_worker_and_free_the_port(tmp_path):
     proc, pids, port = _start_driver(tmp_path, _KEEPING_DRIVER)
     try:
-        for round, gap in enumerate(GAPS):
+        for round, what in enumerate(ROUNDS):
             if round:
                 proc.stdin.write("next\n")
                 proc.stdin.flush()
                 pids, port = _workers_of(f"{tmp_path / 'pid'}-{round}")
-            proc.send_signal(signal.SIGINT)
-            time.sleep(gap)
-            proc.send_signal(signal.SIGINT)
-            assert proc.stdout.readline().startswith("interrupted"), f"gap {gap} s"
-            _wait_gone(pids, port)  # while the driver lives on, holding the tracebacks
+            if what == KILL:
+                proc.kill()
+                proc.wait()
+            else:
+                proc.send_signal(signal.SIGINT)
+                if what != ONE_CTRL_C:
+                    time.sleep(what)
+                    proc.send_signal(signal.SIGINT)
+                line = proc.stdout.readline()
+                # launch raised KeyboardInterrupt to its caller, and nothing else did
+                assert line.startswith("interrupted"), f"{what}: {line!r}"
+                assert what != ONE_CTRL_C or line.split()[1] == "1", line
+            _wait_gone(pids, port, what=str(what))  # while the driver lives on, holding the tracebacks
     finally:
-        proc.kill()
-        proc.wait()
-
-
-def test_kernel_death_takes_the_workers_with_it(tmp_path):
-    proc, pids, port = _start_driver(tmp_path)
-    proc.kill()  # like a kernel killed from JupyterLab or by the OOM killer
-    proc.wait()
-    _wait_gone(pids, port)
+        if proc.poll() is None:  # never leave the driver (and its workers) to the next test
+            proc.kill()
+            proc.wait()
 
 
 # ---------------------------------------------------------------- concurrency and leaks
