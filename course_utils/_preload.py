@@ -25,8 +25,12 @@ import torch.nn  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
 # The checkers' workers are functions of course_utils.checks: unpickling one imports the whole index.
+import course_utils
 import course_utils.checks  # noqa: F401
 import course_utils.workers.entry  # noqa: F401
+
+for _name in course_utils.__all__:  # the modules of the public names (course_utils imports them lazily)
+    getattr(course_utils, _name)
 
 # Everything imported above lives as long as the fork server and its workers.  Frozen, the garbage
 # collector of a worker never walks it: a worker's gc.collect() (the process-group teardown calls
