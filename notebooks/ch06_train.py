@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data import DataLoader, Sampler, SequentialSampler, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import course_utils
@@ -190,6 +190,20 @@ def evaluate(model, x, y, device, rank, world):
     return (counts[0] / counts[1]).item()
 
 
+class Skipping(Sampler):
+    """The indices of ``sampler`` after its first ``n``: a run resumed at batch k of an epoch
+    starts from index k x batch size, and loads nothing of the batches before it."""
+
+    def __init__(self, sampler, n):
+        self.sampler, self.n = sampler, n
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.n, None)
+
+    def __len__(self):
+        return max(0, len(self.sampler) - self.n)
+
+
 def train(args):
     if args.show_env:
         show_env()  # before joining the group: shows what a worker got even if joining fails
@@ -214,10 +228,8 @@ def train(args):
     plain = model.module if distributed else model
 
     sampler = (DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
-               if distributed else None)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
-                        shuffle=False, drop_last=True, pin_memory=device.type == "cuda")
-    per_epoch = len(loader)
+               if distributed else SequentialSampler(train_set))
+    per_epoch = len(sampler) // args.batch_size  # full batches only (drop_last)
     slurm = (f", Slurm job {os.environ['SLURM_JOB_ID']} run {os.environ.get('SLURM_RESTART_COUNT', '0')}"
              if "SLURM_JOB_ID" in os.environ else "")  # a requeued job runs again, same job id
     log(f"attempt {attempt}: world size {world}, global batch {args.batch_size * world}, "
@@ -228,11 +240,16 @@ def train(args):
 
     while step < args.steps:
         # The data order depends on the step alone: a resumed run reads exactly the batches
-        # that the lost attempt would have read (set_epoch, then skip the finished ones).
+        # that the lost attempt would have read (set_epoch, then skip the finished ones). The
+        # skip happens in the sampler, among indices: no sample of a finished batch is loaded,
+        # as itertools.islice over the loader would do (it loads each batch, then drops it).
         epoch, done = divmod(step, per_epoch)
-        if sampler is not None:
+        if distributed:
             sampler.set_epoch(epoch)
-        for x, y in itertools.islice(loader, done, None):
+        loader = DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
+                            sampler=Skipping(sampler, done * args.batch_size),
+                            pin_memory=device.type == "cuda")
+        for x, y in loader:
             if step >= args.steps:
                 break
             if step == args.crash_at_step and attempt == 0 and rank == crash_rank:
