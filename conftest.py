@@ -64,3 +64,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return known.get(path, UNKNOWN_SECONDS_PER_TEST * len(files[path]))
 
     items[:] = [item for path in sorted(files, key=cost, reverse=True) for item in files[path]]
+
+
+# A unit test that failed once and passed on its retry is listed at the end (-rR), but its first
+# failure would not be shown: these keep each one and print it, so that a rare flake can be studied
+# from the log of the run in which it happened.
+_RERUN_REPORTS: list[pytest.TestReport] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.outcome == "rerun":
+        _RERUN_REPORTS.append(report)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for report in _RERUN_REPORTS:
+        terminalreporter.write_sep("-", f"first failure of {report.nodeid} (then retried)")
+        terminalreporter.write_line(report.longreprtext[-4000:])
