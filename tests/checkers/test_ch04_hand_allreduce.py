@@ -100,6 +100,35 @@ def no_initial_broadcast(model, batches, lr):
     return model
 
 
+def averages_initial_weights(model, batches, lr):
+    # "averaging the initial weights makes the ranks agree, like the broadcast": they agree on the mean
+    world = dist.get_world_size()
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.all_reduce(p)
+            p /= world
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+    return model
+
+
+def broadcasts_then_averages_the_same_weights(model, batches, lr):
+    # Right: after the broadcast every rank holds rank 0's weights, so averaging them changes nothing.
+    world = dist.get_world_size()
+    _broadcast(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.all_reduce(p)
+            p /= world
+    return right(model, batches, lr)
+
+
 def all_reduce_before_backward(model, batches, lr):
     world = dist.get_world_size()
     _broadcast(model)
@@ -215,7 +244,8 @@ def rank0_only(model, batches, lr):
     return model
 
 
-@pytest.mark.parametrize("answer", [right, right_with_a_flat_buffer, right_dividing_first],
+@pytest.mark.parametrize("answer", [right, right_with_a_flat_buffer, right_dividing_first,
+                                    broadcasts_then_averages_the_same_weights],
                          ids=lambda f: f.__name__)
 def test_accepts_right_answers(answer, capsys, no_leftover_processes):
     check_hand_allreduce(answer)
@@ -229,6 +259,9 @@ WRONG = {
                                   r"SUM of the gradients .* did not divide by the world size \(2\)", {}),
     "no_initial_broadcast": (no_initial_broadcast,
                              r"Usual mistake: not broadcasting the initial weights", {}),
+    "averages_initial_weights": (averages_initial_weights,
+                                 r"(?s)all-reduced the parameters before the first backward \(\d+ call\(s\)\)"
+                                 r".*on the mean of their starts.*dist\.broadcast", {}),
     "all_reduce_before_backward": (all_reduce_before_backward, r"its gradients were never all-reduced", {}),
     "averages_the_loss": (averages_the_loss,
                           r"(?s)all-reduced a tensor of the autograd graph \(the loss\).*does not "

@@ -73,6 +73,13 @@ CATALOGUE = Catalogue(
         "would follow its own gradient. DDP averages the gradients: after loss.backward() and "
         "before optimizer.step(), all-reduce every p.grad and divide it by the world size."),
     Misconception(
+        "averages_initial_weights",
+        "averaging the initial weights makes the ranks agree, like the broadcast",
+        "dist.all_reduce was given the parameters before the first backward, and the end differs from DDP's",
+        "Averaging the initial weights makes the ranks agree, but on the mean of their starts, which "
+        "is not where DDP starts: its constructor copies rank 0's parameters to every rank. Before "
+        "training, dist.broadcast(p.data, src=0) for every parameter."),
+    Misconception(
         "all_reduce_before_backward",
         "all-reduce the gradients, then backward (zero_grad set them to None: nothing is sent)",
         "the parameters equal training on the rank's own shard only",
@@ -125,9 +132,13 @@ def _observer(model: torch.nn.Module) -> Callable[[str, torch.Tensor | None], di
     """What each all-reduce was given: a tensor of the autograd graph (a loss: autograd does not
     differentiate through dist.all_reduce, so it never reaches the gradients), or a parameter of
     ``model`` rather than its ``.grad``: its memory (``p``, ``p.data``) or, at the moment of the
-    call, its values (``p.detach().clone()``, or every parameter in one flat buffer)."""
+    call, its values (``p.detach().clone()``, or every parameter in one flat buffer); and whether
+    a backward had accumulated a gradient into ``model`` yet (before it: the initial weights)."""
     parameters = list(model.parameters())
     total = sum(p.numel() for p in parameters)
+    backward_seen = [False]
+    for p in parameters:  # set once autograd has written a gradient (zero_grad cannot undo it)
+        p.register_post_accumulate_grad_hook(lambda _p: backward_seen.__setitem__(0, True))
 
     def is_parameter(t: torch.Tensor) -> bool:
         with torch.no_grad():
@@ -138,7 +149,8 @@ def _observer(model: torch.nn.Module) -> Callable[[str, torch.Tensor | None], di
 
     def annotate(op: str, tensor: torch.Tensor | None) -> dict:
         return {"in_graph": tensor is not None and tensor.grad_fn is not None,
-                "on_parameter": tensor is not None and is_parameter(tensor)}
+                "on_parameter": tensor is not None and is_parameter(tensor),
+                "before_training": not backward_seen[0]}
     return annotate
 
 
@@ -194,7 +206,10 @@ def _worker(train_fn: Callable) -> Outcome:
         return Outcome(pg.rank, data={
             "expected": expected, "got": got_state, "variants": variant_states,
             "loss_all_reduces": sum(c.extra["in_graph"] for c in spy.calls),
-            "parameter_all_reduces": sum(c.extra["on_parameter"] for c in spy.calls),
+            "parameter_all_reduces": sum(c.extra["on_parameter"] and not c.extra["before_training"]
+                                         for c in spy.calls),
+            "initial_parameter_all_reduces": sum(c.extra["on_parameter"] and c.extra["before_training"]
+                                                 for c in spy.calls),
         })
 
 
@@ -237,6 +252,11 @@ def _judge_rank(o: Outcome, world: int) -> None:
             + _hint("averages_parameters"))
     if close(o.data["expected"], got, atol=ATOL):
         return
+    if o.data["initial_parameter_all_reduces"]:
+        raise CheckFailed(
+            f"on {where} the parameters differ from torch DDP's, and your code all-reduced the "
+            f"parameters before the first backward ({o.data['initial_parameter_all_reduces']} "
+            f"call(s)). {_hint('averages_initial_weights')}")
     if close(v["sum"], got, atol=ATOL):
         raise CheckFailed(
             f"on {where} the parameters are what training with the SUM of the gradients gives "
