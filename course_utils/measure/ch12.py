@@ -6,7 +6,11 @@
 a byte.  Shapes, shards and the collectives FSDP2 issues are those of the real job; the values are
 not (every all-gather leaves its output as it found it), and nothing is timed.  A 1-D mesh is FSDP
 over every rank; a 2-D mesh ``(replicas, shards)`` is HSDP: parameters sharded over the second
-dimension and replicated over the first.
+dimension and replicated over the first.  With ``tp=2`` (or more), the mesh gains a last dimension for
+tensor parallelism (chapter 11): the MLP's two ``Linear`` layers are split column- then row-wise
+across it, and FSDP2 shards what each rank holds across the other dimension (FSDP x TP, as in
+section 3).  TP's collectives are DTensor's functional ones, which ``CollectiveSpy`` (patching
+``torch.distributed``) does not see: ``FunctionalCollectives``, a dispatch mode, records them.
 
 It opens (and closes) the process's default group, so run it in a worker of its own
 (``launch(simulate_fsdp, nprocs=1, args=((64,),))``), not in the notebook's kernel.
@@ -16,15 +20,17 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checking import CollectiveSpy
 
-__all__ = ["sim_model", "sim_shapes", "simulate_fsdp", "FSDP_COLLECTIVES"]
+__all__ = ["sim_model", "sim_shapes", "simulate_fsdp", "FSDP_COLLECTIVES", "FunctionalCollectives"]
 
 # What FSDP2 calls in torch 2.13 (all_gather_single, not all_gather_into_tensor).
 FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
@@ -43,42 +49,85 @@ def sim_shapes() -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in sim_model().parameters()]
 
 
+class FunctionalCollectives(TorchDispatchMode):
+    """Records ``(op, bytes of its input)`` for each functional collective (``torch.ops._c10d_functional``:
+    what DTensor and tensor parallelism call), in order; everything runs as usual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor  # here: DTensor takes a second to import (see below)
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn the op into local ops and collectives first
+        packet = getattr(func, "_overloadpacket", None)
+        name = packet.__name__ if packet is not None else ""
+        # the collectives themselves: not wait_tensor, nor helpers such as _wrap_tensor_autograd
+        collective = name and not name.startswith("_") and name != "wait_tensor"
+        if func.namespace == "_c10d_functional" and collective:
+            first = args[0]
+            if isinstance(first, (list, tuple)):
+                nbytes = sum(t.numel() * t.element_size() for t in first)
+            else:
+                nbytes = first.numel() * first.element_size()
+            self.calls.append((name, nbytes))
+        return func(*args, **(kwargs or {}))
+
+
 def _local_bytes(t: torch.Tensor) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
 
 
-def simulate_fsdp(mesh_shape: tuple[int, ...], batch: int = 8) -> dict:
+def simulate_fsdp(mesh_shape: tuple[int, ...], batch: int = 8, tp: int = 1) -> dict:
     """Rank 0's bytes and collectives for one AdamW step of ``sim_model`` under FSDP2 (see the module doc).
 
     Returns ``{"world", "mesh", "params", "grads", "optimizer", "local_shapes", "unsharded",
-    "collectives"}``: bytes of the parameter shards, gradient shards and AdamW state this rank keeps,
-    the shape of each parameter's shard, the model's full fp32 size, and ``(op, bytes)`` for every
-    collective of the step, in order (the first tensor of each call: an all-gather's output, a
-    reduce-scatter's output shard).
+    "collectives", "tp_collectives"}``: bytes of the parameter shards, gradient shards and AdamW
+    state this rank keeps, the shape of each parameter's shard, the model's full fp32 size,
+    ``(op, bytes)`` for every collective of the step that FSDP2 issued, in order (the first tensor of
+    each call: an all-gather's output, a reduce-scatter's output shard), and the same for tensor
+    parallelism's functional collectives (empty when ``tp == 1``).  ``tp > 1`` needs a 1-D
+    ``mesh_shape``: the mesh is then ``(*mesh_shape, tp)``.
     """
     # Imported here: FSDP takes about a second to import, and importing the checkers should not wait.
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     mesh_shape = tuple(mesh_shape)
-    world = math.prod(mesh_shape)
+    if tp > 1 and len(mesh_shape) != 1:
+        raise ValueError(f"tp={tp} needs a 1-D FSDP mesh, got {mesh_shape}")
+    world = math.prod(mesh_shape) * tp
     # No store-based barriers (init_process_group, new_group): the other ranks do not exist, and a
     # launcher sets TORCH_DIST_INIT_BARRIER=1.
     barrier = os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)  # "cpu": see chapter 10
         model = sim_model()
         unsharded = sum(p.numel() * p.element_size() for p in model.parameters())
+        if tp > 1:
+            # Imported here for the same reason as FSDP above.
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            both = init_device_mesh("cpu", (*mesh_shape, tp), mesh_dim_names=("shard", "tp"))
+            parallelize_module(model, both["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            mesh = both["shard"]
+        else:
+            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)  # "cpu": see chapter 10
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x = torch.randn(batch, 1024)
-        with CollectiveSpy(FSDP_COLLECTIVES) as spy:
+        with CollectiveSpy(FSDP_COLLECTIVES) as spy, FunctionalCollectives() as functional, \
+                warnings.catch_warnings():
+            # With TP, FSDP2 warns that a layer returned a view, which an in-place op would
+            # break; this step applies none to any layer's output.
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
             model(x).square().mean().backward()
             opt.step()
         state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
@@ -89,6 +138,7 @@ def simulate_fsdp(mesh_shape: tuple[int, ...], batch: int = 8) -> dict:
             "optimizer": sum(_local_bytes(v) for v in state),
             "local_shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
             "collectives": [(c.op, c.nbytes) for c in spy.calls],
+            "tp_collectives": functional.calls,
         }
     finally:
         dist.destroy_process_group()
