@@ -89,9 +89,14 @@ def _env_lines(log):
     return [json.loads(line[4:]) for line in log.splitlines() if line.startswith("ENV ")]
 
 
-def _same_model(a, b):
+def _same_model(a, b, atol=1e-5):
+    """The same parameters up to ``atol``.  Two runs of this job are usually bit-identical, but one
+    run of a CI suite ended 4e-7 away from two others that agreed bit for bit (same environment,
+    same losses to four decimals): with two threads per worker on a loaded machine, the math
+    library's reductions are the likely cause.  One step more or less moves the parameters by 3e-3
+    (measured with ch06_train.py alone: 19 or 21 steps against 20)."""
     sa, sb = (torch.load(p, weights_only=True) for p in (a, b))
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    return sa.keys() == sb.keys() and all(torch.allclose(sa[k], sb[k], rtol=0, atol=atol) for k in sa)
 
 
 @pytest.fixture(scope="module")
