@@ -6,7 +6,10 @@
   shapes, state, the learner's frame), ``print_records(dumps)`` prints the last ones of every rank;
 - ``py_spy_dump(pid)`` runs ``py-spy dump --pid`` on a live process and ``stuck_frame(stack)``
   picks from its main thread (``main_thread(stack)``) the innermost frame that is not torch's or the
-  interpreter's own.
+  interpreter's own;
+- ``stacks_under_slurm(cluster, ...)`` runs chapter 13's hanging job on two nodes of a
+  ``course_utils.slurm_cluster`` and dumps every node's ranks from a step of their own inside the
+  job's allocation (``srun --jobid=J --overlap``), as one does on a real cluster.
 
 A dump, as torch 2.13 writes it, is a dict: ``version``, ``pg_config`` (the groups and their ranks),
 ``pg_status`` (per group: the last collective enqueued, started, completed) and ``entries``, one per
@@ -20,15 +23,17 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 __all__ = ["Collective", "load_dumps", "collectives", "learner_frame", "print_records",
-           "py_spy_dump", "main_thread", "stuck_frame", "PY_SPY"]
+           "py_spy_dump", "main_thread", "stuck_frame", "stacks_under_slurm", "PY_SPY"]
 
 # py-spy installs one executable beside the interpreter (`.venv/bin/py-spy`).
 PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
@@ -112,3 +117,72 @@ def stuck_frame(stack: str) -> str:
         if m and not _NOT_LEARNER.search(m.group(2)):
             return f"{Path(m.group(2)).name}:{m.group(3)} in {m.group(1)}"
     return "(no frame outside torch)"
+
+
+def _node_dump_command(script: str) -> str:
+    """What one step per node runs: py-spy on every process of ``script`` *on this node*.
+
+    The cluster's nodes share this machine's process table, as containers would not; the
+    processes of a node are those in its network namespace (``pgrep --ns $$ --nslist net``).  The
+    pattern starts at the interpreter, so that srun's own command line, which names the script
+    too, does not match."""
+    return (f"for p in $(pgrep -f '^[^ ]*python[^ ]* {script}' --ns $$ --nslist net); do "
+            f"echo \"== $(hostname) pid $p\"; {shlex.quote(str(PY_SPY))} dump --pid $p; done")
+
+
+def _per_process(srun_output: str) -> dict[tuple[str, int], str]:
+    """``{(host, pid): py-spy's dump}`` from the labelled output (``srun --label``) of the steps."""
+    texts: dict[str, list[str]] = {}
+    for line in srun_output.splitlines():
+        task, _, rest = line.partition(": ")
+        texts.setdefault(task.strip(), []).append(rest)
+    found = {}
+    for lines in texts.values():
+        for part in "\n".join(lines).split("== ")[1:]:
+            head, _, dump = part.partition("\n")
+            host, _, pid = head.partition(" pid ")
+            found[(host.strip(), int(pid))] = _ANSI.sub("", dump)
+    return found
+
+
+def stacks_under_slurm(cluster: Any, folder: Path, cwd: Path, timeout: float = 60.0) -> dict:
+    """Run ``ch13_hang.py --fault missing`` as a two-node Slurm job (one task per node, no torchrun),
+    dump every rank from a step inside its allocation until their frames hold still, release it.
+
+    Returns ``{"job", "command", "stacks": {(host, rank, pid): dump}, "state"}``; ``folder`` gets the
+    job's pid files, flight records and log, ``cwd`` holds ``ch13_hang.py``."""
+    if PY_SPY is None:
+        raise RuntimeError("py-spy is not installed: `pip install py-spy` (it is in pyproject.toml)")
+    worker = ("RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=0 "
+              "MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -1) "
+              "MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000)) OMP_NUM_THREADS=1 TORCH_CPP_LOG_LEVEL=FATAL "
+              f"exec {shlex.quote(sys.executable)} ch13_hang.py --fault missing "
+              f"--dumps {shlex.quote(str(folder))} --timeout {timeout:g}")
+    job = cluster.sbatch("--wrap", f"srun bash -c {shlex.quote(worker)}", cwd=cwd,
+                         options=["-N", "2", "--ntasks-per-node=1", f"--output={folder}/job-%j.out"])
+    pid_rank = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(list(folder.glob("pid*"))) < 2:
+            if time.monotonic() > deadline or cluster.job(job).get("JobState") not in ("PENDING", "RUNNING"):
+                raise RuntimeError(f"the job's ranks did not start: {cluster.job(job)}\n{cluster.logs()}")
+            time.sleep(0.2)
+        pid_rank = {int(p.read_text()): int(p.name[3:]) for p in folder.glob("pid*")}
+        command = ["srun", f"--jobid={job}", "--overlap", "-N", "2", "--ntasks-per-node=1", "--label",
+                   "bash", "-c", _node_dump_command("ch13_hang.py")]
+        before, stacks = None, {}
+        for _ in range(10):  # until two rounds in a row find every rank in the same frame, and the
+            # rank's own background import (the flight recorder's, see ch13_hang.py) has finished
+            stacks = _per_process(cluster.run(*command, timeout=timeout))
+            frames = {k: stuck_frame(v) for k, v in stacks.items()}
+            settled = all("import_module" not in v for v in stacks.values())
+            if frames == before and len(frames) == 2 and settled:
+                break
+            before = frames
+            time.sleep(0.3)
+    finally:
+        (folder / "release").touch()
+    state = cluster.wait(job, timeout=timeout).get("JobState")
+    return {"job": job, "command": command,
+            "stacks": {(host, pid_rank.get(pid, -1), pid): dump for (host, pid), dump in stacks.items()},
+            "state": state}
