@@ -58,7 +58,7 @@ class FunctionalCollectives(TorchDispatchMode):
         self.calls: list[tuple[str, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor  # here: DTensor takes a second to import (see below)
+        from torch.distributed.tensor import DTensor  # here: DTensor takes about a second to import
 
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor turn the op into local ops and collectives first
