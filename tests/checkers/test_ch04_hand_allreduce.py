@@ -100,32 +100,24 @@ def no_initial_broadcast(model, batches, lr):
     return model
 
 
-def averages_initial_weights(model, batches, lr):
-    # "averaging the initial weights makes the ranks agree, like the broadcast": they agree on the mean
+def _average_the_weights(model):
     world = dist.get_world_size()
     with torch.no_grad():
         for p in model.parameters():
             dist.all_reduce(p)
             p /= world
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for x, y in batches:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        opt.step()
-    return model
+
+
+def averages_initial_weights(model, batches, lr):
+    # "averaging the initial weights makes the ranks agree, like the broadcast": they agree on the mean
+    _average_the_weights(model)
+    return no_initial_broadcast(model, batches, lr)  # then the gradients averaged as they should be
 
 
 def broadcasts_then_averages_the_same_weights(model, batches, lr):
     # Right: after the broadcast every rank holds rank 0's weights, so averaging them changes nothing.
-    world = dist.get_world_size()
     _broadcast(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            dist.all_reduce(p)
-            p /= world
+    _average_the_weights(model)
     return right(model, batches, lr)
 
 
