@@ -107,8 +107,12 @@ class _Rank:
 
     @property
     def returned(self) -> bool:
-        """Its function returned (and the process has exited)."""
-        return self.exited and self.result is not None and self.result.ok
+        """Its function returned: its result has arrived.
+
+        The process may still be exiting: a thread-group leader shows as a zombie while its
+        other threads end, and the fork server reports the exit only once it has reaped it.
+        """
+        return self.result is not None and self.result.ok
 
     def failure(self) -> RankFailure | None:
         """How this rank failed, judged from its result and exit code (None: it did not fail)."""
