@@ -19,20 +19,17 @@ import importlib.util
 import json
 import math
 import sys
-import threading
 import time
 from pathlib import Path
 
-import psutil
-
 from ..workers.commands import CommandResult, run_commands
+from ..workers.netns import LOOPBACK, ListenWatch
 from ..workers.startup import free_port
 
 __all__ = ["torchft_missing", "run_torchft", "run_restart", "read_logs", "FtSummary",
            "RestartSummary", "ListenWatch", "LOOPBACK"]
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 # One thread per process (torchrun's default, set to silence its banner); gloo on loopback only.
 ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
@@ -42,47 +39,6 @@ def torchft_missing() -> str | None:
     if importlib.util.find_spec("torchft") is None:
         return 'torchft is not installed: `pip install -e ".[ft]"` (from the course folder) adds it'
     return None
-
-
-class ListenWatch:
-    """Every (pid, command, address, port) that a descendant of this process listens on, while open.
-
-    A thread polls ``psutil.net_connections`` every ``every`` seconds: a socket that lives shorter
-    than that can be missed, which is why ``polls`` is kept (a test can ask that it saw several).
-    """
-
-    def __init__(self, every: float = 0.2):
-        self.every = every
-        self.seen: dict[tuple[int, str, int], str] = {}
-        self.polls = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        me = psutil.Process()
-        while not self._stop.is_set():
-            procs = {p.pid: p for p in me.children(recursive=True)}
-            for c in psutil.net_connections(kind="inet"):
-                if c.status == psutil.CONN_LISTEN and c.pid in procs:
-                    try:
-                        cmd = " ".join(procs[c.pid].cmdline()[1:])
-                    except psutil.Error:
-                        cmd = "?"
-                    self.seen.setdefault((c.pid, c.laddr.ip, c.laddr.port), cmd)
-            self.polls += 1
-            self._stop.wait(self.every)
-
-    def __enter__(self) -> ListenWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def beyond_loopback(self) -> list[tuple[int, str, int, str]]:
-        return [(pid, ip, port, cmd) for (pid, ip, port), cmd in sorted(self.seen.items())
-                if ip not in LOOPBACK]
 
 
 def read_logs(folder: Path, mode: str) -> dict[tuple[int, int], list[dict]]:

@@ -19,6 +19,7 @@ import psutil
 
 from .errors import indent
 from .lines import LineSplitter
+from .netns import PrivateNetwork
 
 __all__ = ["run_commands", "CommandResult", "CommandFailed", "terminate_trees"]
 
@@ -31,6 +32,7 @@ class CommandResult:
     returncode: int | None
     output: str
     timed_out: bool = False
+    network: str = "host"  # "private": it ran in the call's own network namespace (only loopback)
 
     @property
     def ok(self) -> bool:
@@ -60,6 +62,30 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _child_setup(private: PrivateNetwork | None) -> Any:
+    """What a command's child does before exec: join the call's namespace, then arm the death
+    signal (joining a user namespace changes the process's credentials, which clears it)."""
+    if private is None:
+        return _die_with_parent
+
+    def setup() -> None:
+        private.join()
+        _die_with_parent()
+
+    return setup
+
+
+_noted: set[str] = set()
+
+
+def _note_no_private_network(why: str, echo: bool) -> None:
+    """Say once per reason that the commands run on the machine's own network."""
+    if echo and why not in _noted:
+        _noted.add(why)
+        print(f"[launcher] note: the commands run on this machine's network, where torchrun's stores "
+              f"listen on every interface (a network of their own could not be made: {why})", flush=True)
+
+
 def run_commands(
     commands: dict[str, Sequence[str]] | Sequence[Sequence[str]],
     *,
@@ -69,6 +95,7 @@ def run_commands(
     echo: bool = True,
     check: bool = False,
     stagger: float = 0.0,
+    network: str = "private",
 ) -> list[CommandResult]:
     """Run one or several commands at once (say two ``torchrun`` agents), streaming their output.
 
@@ -81,7 +108,16 @@ def run_commands(
 
     The commands get a temporary folder of their own (``TMPDIR``, unless ``env`` sets it), removed
     when they are done: torchrun's log folders and whatever a killed process leaves there go with it.
+
+    ``network="private"`` (the default) runs all the commands of the call in one network namespace
+    of their own whose only interface is loopback (``course_utils.workers.netns``): they reach each
+    other on 127.0.0.1, and nothing outside reaches the stores torchrun opens on every interface.
+    Where the system cannot make one, they run on the machine's network and a note says why, once.
+    ``network="host"``: the machine's network (a command that must reach a server the notebook runs,
+    or one that enters a namespace of its own with ``ip netns exec``, which works from either).
     """
+    if network not in ("private", "host"):
+        raise ValueError(f'run_commands(network=...) is "private" or "host", got {network!r}')
     if not isinstance(commands, dict):
         commands = {f"cmd{i}": c for i, c in enumerate(commands)}
     scratch = tempfile.mkdtemp(prefix="course-commands-")
@@ -101,14 +137,18 @@ def run_commands(
             for line in lines:
                 print(f"[{name}] {line}", flush=True)
 
+    private = PrivateNetwork() if network == "private" else None
     try:
+        if private is not None and (why := private.start()) is not None:
+            private = None
+            _note_no_private_network(why, echo)
         for i, (name, cmd) in enumerate(commands.items()):
             if i and stagger:
                 time.sleep(stagger)
             p = subprocess.Popen(
                 [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=full_env, cwd=cwd, start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_child_setup(private),
             )
             procs[name] = p
             sel.register(p.stdout, selectors.EVENT_READ, name)
@@ -138,10 +178,13 @@ def run_commands(
             if p.stdout:
                 p.stdout.close()
         sel.close()
+        if private is not None:
+            private.close()
         shutil.rmtree(scratch, ignore_errors=True)
     results = [
         CommandResult(n, None if n in still_running else procs[n].returncode,
-                      "\n".join(outputs[n]), n in still_running)
+                      "\n".join(outputs[n]), n in still_running,
+                      "private" if private is not None else "host")
         for n in procs
     ]
     if echo and still_running:
