@@ -2,7 +2,7 @@
 
 The same file runs three ways:
 
-    torchrun --nproc_per_node=2 ch07_train.py --accum-steps 4 --micro-batch 16 --lr 0.2
+    torchrun --nproc_per_node=2 ch07_train.py --accum-steps 4 --micro-batch 16 --base-lr 0.05
     course_utils.launch(ch07_train.train, nprocs=2, kwargs={...})      # from a notebook cell
     python ch07_train.py --accum-steps 4                                 # one process, world size 1
 """
