@@ -68,7 +68,10 @@ def _hold() -> None:
                                ("gid_map", f"{gid} {gid} 1")):
                 with open(f"/proc/self/{name}", "w") as f:
                     f.write(text)
-        _loopback_up()
+        try:
+            _loopback_up()
+        except OSError as e:
+            raise OSError(e.errno, f"bringing up lo in the new namespace: {e.strerror}") from e
     except OSError as e:
         print(f"{e.strerror or e}", flush=True)
         sys.exit(1)
