@@ -85,6 +85,9 @@ class PrivateNetwork:
     def __init__(self) -> None:
         self.holder: subprocess.Popen | None = None
         self.fds: list[tuple[int, int]] = []  # (fd of /proc/HOLDER/ns/..., CLONE_NEW...)
+        # Loaded here, in the notebook: ``join`` runs between fork and exec, where loading a
+        # library (dlopen takes locks another thread of the parent may have held) is not safe.
+        self._setns = _libc().setns
 
     def start(self, timeout: float = 10.0) -> str | None:
         """Make the namespace.  None when it is ready, else why it could not be made."""
@@ -110,9 +113,8 @@ class PrivateNetwork:
 
     def join(self) -> None:
         """Enter the namespace: runs in a command's child process, between fork and exec."""
-        libc = _libc()
         for fd, flag in self.fds:
-            _check(libc.setns(fd, flag), "setns")
+            _check(self._setns(fd, flag), "setns")
 
     def close(self) -> None:
         """Stop the holder; the namespace goes once the last command in it has exited."""
