@@ -468,6 +468,37 @@ def test_prediction_right_answers_pass_the_exact_part(fn, monkeypatch):
     check_comm_prediction(fn)
 
 
+def _slow_group_measurement(slowdowns):
+    """A measurement that obeys the model in its single all-reduces while the group of buckets takes
+    ``slowdowns[i]`` times the model's time at the i-th call (a machine busy during the groups)."""
+    calls = []
+
+    def fake(sizes, groups, world=2, **_):
+        a, b = 1e-4, 1e9
+        slow = slowdowns[min(len(calls), len(slowdowns) - 1)]
+        calls.append(slow)
+        t = [a + ring_factor(world) * s / b for s in sizes]
+        return [t] * 7, [[slow * sum(a + ring_factor(world) * s / b for s in g) for g in groups]] * 7
+
+    return fake, calls
+
+
+def test_prediction_measures_again_when_a_busy_machine_moved_the_median(monkeypatch, capsys):
+    fake, calls = _slow_group_measurement([4.0, 1.0, 1.0])
+    monkeypatch.setattr(c_cost_model, "measured_rounds", fake)
+    check_comm_prediction(predict_loop)  # 7 rounds at ratio 0.25, 14 at 1.0: the median is 1.0
+    assert calls == [4.0, 1.0]
+    assert "measuring 7 more rounds" in capsys.readouterr().out
+
+
+def test_prediction_fails_when_every_attempt_is_off(monkeypatch):
+    fake, calls = _slow_group_measurement([4.0])
+    monkeypatch.setattr(c_cost_model, "measured_rounds", fake)
+    with pytest.raises(CheckFailed, match=r"0\.25 times the measured time.*after 21 rounds.*rerun"):
+        check_comm_prediction(predict_loop)
+    assert len(calls) == c_cost_model.ATTEMPTS
+
+
 WRONG_PREDICTION = {
     "no_ring_factor": (lambda b, n, a, beta: sum(a + x / beta for x in b),
                        r"ring factor 2\(N-1\)/N is missing"),

@@ -55,6 +55,7 @@ _GROUP = [2**19, 2**17, 2**15, 2**12, 2**12]  # the bucket sizes of one step (by
 
 
 PREDICT_LIMIT = 10.0  # seconds for one call of predict(...), which is a few lines of arithmetic
+ATTEMPTS = 3  # measurements at most; the rounds of all of them are pooled before the median is taken
 
 
 @checker("10.c cost-model prediction")
@@ -63,7 +64,8 @@ def check_comm_prediction(predict: Callable, *, timeout: float = 90.0, tolerance
 
     First on made-up numbers (exact), then against gloo all-reduces timed here: α and β are fitted
     from single all-reduces, the prediction for a sequence of buckets must be within a factor
-    ``tolerance`` of the measured time (the measurement on a shared CPU is noisy).
+    ``tolerance`` of the measured time (the median round; on a shared CPU single rounds range over a
+    factor 10, so when the median falls outside, more rounds are measured, up to ``ATTEMPTS`` times).
     """
     require_callable(predict, "a function predict(bucket_bytes, world, alpha, beta)")
     alpha, beta = 50e-6, 2e9
@@ -89,20 +91,28 @@ def check_comm_prediction(predict: Callable, *, timeout: float = 90.0, tolerance
                 raise CheckFailed(f"{given} {right:.6g} s, got {got:.6g} s.\nUsual mistake: {_hint(key)}.")
         raise CheckFailed(f"{given} {right:.6g} s (sum over buckets of α + 2(N-1)/N · bytes / β), "
                           f"got {got:.6g} s")
-    single, multi = measured_rounds(_SIZES, [_GROUP], timeout=timeout)
-    ratios, fits = [], []
-    for times, group_time in zip(single, multi):  # fit and predict within each round
-        a, b = fit_alpha_beta(_SIZES, times, WORLD)
-        fits.append((a, b))
-        with time_limit(PREDICT_LIMIT, "predict(...)"):
-            ratios.append(predict(list(_GROUP), WORLD, a, b) / group_time[0])
-    k = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]  # the median round
+    ratios, fits, times = [], [], []  # per round; rounds are pooled over the attempts
+    for attempt in range(1, ATTEMPTS + 1):
+        single, multi = measured_rounds(_SIZES, [_GROUP], timeout=timeout)
+        for one, group_time in zip(single, multi):  # fit and predict within each round
+            a, b = fit_alpha_beta(_SIZES, one, WORLD)
+            fits.append((a, b))
+            times.append(group_time[0])
+            with time_limit(PREDICT_LIMIT, "predict(...)"):
+                ratios.append(predict(list(_GROUP), WORLD, a, b) / group_time[0])
+        k = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]  # the median round
+        if 1 / tolerance <= ratios[k] <= tolerance:
+            break
+        if attempt < ATTEMPTS:
+            print(f"ratio {ratios[k]:.2f} over {len(ratios)} rounds, outside [{1 / tolerance:.2f}, "
+                  f"{tolerance:.2f}]: measuring {len(single)} more rounds (a busy machine is noisy)")
     (a, b), ratio = fits[k], ratios[k]
     print(f"fitted here (median of {len(ratios)} rounds): α = {a * 1e6:.1f} µs, β = {b / 1e9:.3f} GB/s; "
-          f"{len(_GROUP)} all-reduces of one step: predicted {ratio * multi[k][0] * 1e3:.3f} ms, measured "
-          f"{multi[k][0] * 1e3:.3f} ms (ratio {ratio:.2f}; {min(ratios):.2f} to {max(ratios):.2f} "
+          f"{len(_GROUP)} all-reduces of one step: predicted {ratio * times[k] * 1e3:.3f} ms, measured "
+          f"{times[k] * 1e3:.3f} ms (ratio {ratio:.2f}; {min(ratios):.2f} to {max(ratios):.2f} "
           "over the rounds)")
     if not 1 / tolerance <= ratio <= tolerance:
         raise CheckFailed(f"the prediction is {ratio:.2f} times the measured time, outside "
-                          f"[{1 / tolerance:.2f}, {tolerance:.2f}]. If the formula passed the exact "
-                          "check above, the machine was probably busy while measuring: rerun.")
+                          f"[{1 / tolerance:.2f}, {tolerance:.2f}], after {len(ratios)} rounds. If the "
+                          "formula passed the exact check above, the machine was probably busy while "
+                          "measuring: rerun.")
