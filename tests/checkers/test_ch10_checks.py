@@ -456,18 +456,6 @@ def predict_vector(bucket_bytes, world, alpha, beta):
     return len(bucket_bytes) * alpha + ring_factor(world) * sum(bucket_bytes) / beta
 
 
-@pytest.mark.parametrize("fn", [predict_loop, predict_vector])
-def test_prediction_right_answers_pass_the_exact_part(fn, monkeypatch):
-    # The measured part is replaced by a measurement that obeys the model exactly.
-    def fake(sizes, groups, world=2, **_):
-        a, b = 1e-4, 1e9
-        t = [a + ring_factor(world) * s / b for s in sizes]
-        return [t], [[sum(a + ring_factor(world) * s / b for s in g) for g in groups]]
-
-    monkeypatch.setattr(c_cost_model, "measured_rounds", fake)
-    check_comm_prediction(fn)
-
-
 def _slow_group_measurement(slowdowns):
     """A measurement that obeys the model in its single all-reduces while the group of buckets takes
     ``slowdowns[i]`` times the model's time at the i-th call (a machine busy during the groups)."""
@@ -481,6 +469,14 @@ def _slow_group_measurement(slowdowns):
         return [t] * 7, [[slow * sum(a + ring_factor(world) * s / b for s in g) for g in groups]] * 7
 
     return fake, calls
+
+
+@pytest.mark.parametrize("fn", [predict_loop, predict_vector])
+def test_prediction_right_answers_pass_the_exact_part(fn, monkeypatch):
+    # The measured part is replaced by a measurement that obeys the model exactly.
+    fake, _ = _slow_group_measurement([1.0])
+    monkeypatch.setattr(c_cost_model, "measured_rounds", fake)
+    check_comm_prediction(fn)
 
 
 def test_prediction_measures_again_when_a_busy_machine_moved_the_median(monkeypatch, capsys):
