@@ -25,6 +25,7 @@ from .ch10 import check_bucketed_ddp, check_comm_prediction, check_sharded_optim
 from .ch11 import check_checkpoint_memory, check_tp_linears
 from .ch12 import check_gpipe, check_rank_memory, check_resharding
 from .ch13 import check_find_culprit
+from .ch16 import check_diloco_outer, check_local_sgd_sync
 
 __all__ = [
     "check_train_step",
@@ -57,4 +58,6 @@ __all__ = [
     "check_resharding",
     "check_rank_memory",
     "check_find_culprit",
+    "check_diloco_outer",
+    "check_local_sgd_sync",
 ]
