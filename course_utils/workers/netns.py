@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import ipaddress
 import os
@@ -36,6 +37,8 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 READY = "ready"
+RTM_NEWADDR, NLMSG_ERROR, NETLINK_ROUTE, IFA_ADDRESS, IFA_LOCAL, RT_SCOPE_HOST = 20, 2, 0, 1, 2, 254
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
 
 
 def _libc() -> ctypes.CDLL:
@@ -55,6 +58,80 @@ def _loopback_up() -> None:
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
 
 
+def _nameservers(path: str = "/etc/resolv.conf") -> list[str]:
+    """The name servers the C library asks (127.0.0.1 when the file names none, as glibc does)."""
+    found = []
+    with contextlib.suppress(OSError):
+        with open(path) as f:
+            for line in f:
+                words = line.split()
+                if len(words) >= 2 and words[0] == "nameserver" and "%" not in words[1]:
+                    with contextlib.suppress(ValueError):
+                        found.append(str(ipaddress.ip_address(words[1])))
+    return found or ["127.0.0.1"]
+
+
+def _add_to_loopback(ip: str) -> None:
+    """Give ``lo`` the address ``ip`` (a /32 or /128), by one rtnetlink request (no ``ip`` needed)."""
+    addr = ipaddress.ip_address(ip)
+    family = socket.AF_INET if addr.version == 4 else socket.AF_INET6
+    packed, prefix = addr.packed, 32 if addr.version == 4 else 128
+    attr = b"".join(struct.pack("HH", 4 + len(packed), kind) + packed for kind in (IFA_LOCAL, IFA_ADDRESS))
+    body = struct.pack("BBBBI", family, prefix, 0, RT_SCOPE_HOST, socket.if_nametoindex("lo")) + attr
+    flags = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE) as nl:
+        nl.sendall(struct.pack("IHHII", 16 + len(body), RTM_NEWADDR, flags, 1, 0) + body)
+        reply = nl.recv(4096)
+    kind, error = struct.unpack_from("H", reply, 4)[0], struct.unpack_from("i", reply, 16)[0]
+    if kind == NLMSG_ERROR and error not in (0, -errno.EEXIST):
+        raise OSError(-error, f"adding {ip} to lo: {os.strerror(-error)}")
+
+
+def _no_such_name(query: bytes) -> bytes:
+    """The answer of a server that knows no name: NXDOMAIN, the question echoed, nothing else."""
+    end = 12
+    with contextlib.suppress(IndexError):
+        while query[end]:
+            end += 1 + query[end]
+        end += 5  # the root label, then QTYPE and QCLASS
+    if len(query) < 12 or end > len(query):
+        return query[:2] + struct.pack(">HHHHH", 0x8081, 0, 0, 0, 0)  # FORMERR
+    opcode_rd = struct.unpack(">H", query[2:4])[0] & 0x7900
+    return query[:2] + struct.pack(">HHHHH", 0x8083 | opcode_rd, 1, 0, 0, 0) + query[12:end]
+
+
+def _answer_no_such_name(servers: list[str]) -> None:
+    """Inside the namespace, answer the C library's name queries at once: no such name.
+
+    The namespace has no route to the machine's name servers, so every lookup that ``/etc/hosts``
+    cannot answer would fail as *temporary* (``EAI_AGAIN``): even ``getnameinfo`` of a peer's
+    address, which on the machine's network falls back to the numeric address, fails, and
+    c10d prints "The hostname of the client socket cannot be retrieved. err=-3" for every
+    connection its stores accept.  Each name server's address is added to ``lo`` and a thread of
+    the holder answers there, so a lookup ends as on a network whose servers know no such name.
+    """
+    socks = []
+    for ip in servers:
+        try:
+            if not ipaddress.ip_address(ip).is_loopback:
+                _add_to_loopback(ip)
+            s = socket.socket(socket.AF_INET if ":" not in ip else socket.AF_INET6, socket.SOCK_DGRAM)
+            s.bind((ip, 53))
+            socks.append(s)
+        except OSError:  # lookups then fail as before (slowly, as temporary): nothing else changes
+            continue
+
+    def serve() -> None:
+        while True:
+            for s in select.select(socks, [], [])[0]:
+                with contextlib.suppress(OSError):
+                    query, peer = s.recvfrom(4096)
+                    s.sendto(_no_such_name(query), peer)
+
+    if socks:
+        threading.Thread(target=serve, daemon=True).start()
+
+
 def _hold() -> None:
     """The holder: a new network namespace (and user namespace unless root), lo up, then wait."""
     libc = _libc()
@@ -72,6 +149,7 @@ def _hold() -> None:
             _loopback_up()
         except OSError as e:
             raise OSError(e.errno, f"bringing up lo in the new namespace: {e.strerror}") from e
+        _answer_no_such_name(_nameservers())
     except OSError as e:
         print(f"{e.strerror or e}", flush=True)
         sys.exit(1)
