@@ -15,6 +15,7 @@ One module per job:
 - ``monitor``     ``report()`` from workers and the displays that show it, one module per job (see its
                   ``__init__``)
 - ``explore``     ``explore()``: re-run a measurement with widgets to change its parameters
+- ``diagrams``    drawn pictures of mechanisms (a ring all-reduce, DDP's overlap, pipeline schedules...)
 - ``progress``    the learner's pass/fail table (``show_progress()``; ``python -m course_utils.progress``)
 - ``diagnose``    tools of the troubleshooting chapter (reachability, stragglers, duplicates, stacks)
 - ``resources``   CPU/GPU memory and utilisation samplers

@@ -3,8 +3,8 @@
 Every chapter trains the same small classifier on the same synthetic data set, so that numbers can
 be compared across chapters: chapter 01's single-process run is the reference for all of them.
 
-- ``make_dataset``: 10-class points in 32 dimensions; the classes are curved clusters, so a linear
-  model is not enough but a small MLP learns them within a few epochs.
+- ``make_dataset``: 10-class points in 32 dimensions; the classes are curved clusters that a small
+  MLP learns within a few epochs.
 - ``CourseModel``: a 3-layer MLP (45,322 parameters), optionally with BatchNorm.
 - ``make_sequences``: variable-length token sequences for the data-loading chapter.
 """
