@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import psutil
+from chapter_table import lesson_words
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,7 +108,9 @@ def notebook_facts(path: Path) -> dict:
         elif cell["cell_type"] == "code":
             code_lines += sum(1 for line in src.splitlines() if line.strip())
             exercises.update(re.findall(r"### BEGIN SOLUTION (\S+)", src))
-    return {"markdown_words": words, "code_lines": code_lines, "exercises": len(exercises)}
+    main, deeper = lesson_words(nb)
+    return {"markdown_words": words, "code_lines": code_lines, "exercises": len(exercises),
+            "main_path_words": main, "deeper_words": deeper}
 
 
 def copy_course(dest: Path) -> None:

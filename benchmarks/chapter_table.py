@@ -9,8 +9,9 @@ this table: after re-running the measurement, ``--write`` puts the new table in.
 
 The *main path* of a lesson is its text without the parts marked "Going deeper": a heading whose text
 contains "Going deeper" opens such a part, and the next heading of the same or a higher level that does
-not closes it. ``lesson_words`` counts both; the table shows the main path's words as the lessons are now
-(``tests/lessons/test_headers.py`` checks each lesson's header against the same count).
+not closes it. ``lesson_words`` counts both; ``chapter_times.py --record`` keeps the counts with each
+measurement, and the table shows them (``tests/lessons/test_headers.py`` checks each lesson's header
+against the count of the lesson as it is).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ DEFAULT = Path(__file__).resolve().parent / "results" / "chapter_times.json"
 GUIDE = Path(__file__).resolve().parent.parent / "INSTRUCTORS.md"
 BEGIN, END = "<!-- chapter-times:begin -->\n", "\n<!-- chapter-times:end -->"
 WORDS_PER_MIN, CODE_LINES_PER_MIN = 200, 20
-LESSONS = Path(__file__).resolve().parent.parent / "notebooks"
 _WORD = re.compile(r"[A-Za-z0-9][\w'’\-]*")
 _HEADING = re.compile(r"^(#{1,6})[ \t]+(.*)$", re.M)
 # The header's own lines about reading time are not counted.
@@ -55,11 +55,10 @@ def lesson_words(nb: dict) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
-def _main_path(chapter: str) -> str:
-    path = LESSONS / f"{chapter}.ipynb"
-    if not path.exists():
+def _main_path(nb: dict | None) -> str:
+    if nb is None or "main_path_words" not in nb:
         return "—"
-    main, deeper = lesson_words(json.loads(path.read_text(encoding="utf-8")))
+    main, deeper = nb["main_path_words"], nb["deeper_words"]
     more = f" (+{deeper:,} deeper)" if deeper else ""
     return f"{main:,} words, ~{max(1, round(main / WORDS_PER_MIN))} min{more}"
 
@@ -87,14 +86,14 @@ def table(data: dict) -> str:
                f"{x['load_average_before'][0]} before, {x.get('load_average_after', ['?'])[0]} after: "
                f"{', '.join(x['notebooks'])}. {x['note']}".rstrip() for x in data.get("later", [])],
              "",
-             "| chapter | lesson: run all (machine) | lesson: reading (estimate) | main path (now) | "
+             "| chapter | lesson: run all (machine) | lesson: reading (estimate) | main path | "
              "exercises | solutions: run all (machine) | peak cores | peak memory (PSS) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for ch in chapters:
         les, sol = nbs.get(f"notebooks/{ch}.ipynb"), nbs.get(f"solutions/{ch}.ipynb")
         runs = [x for x in (les, sol) if x]
         reading = f"~{reading_minutes(les)} min" if les else "—"
-        lines.append(f"| {ch} | {_run(les)} | {reading} | {_main_path(ch)} | "
+        lines.append(f"| {ch} | {_run(les)} | {reading} | {_main_path(les)} | "
                      f"{sol['exercises'] if sol else 0} | {_run(sol)} | "
                      f"{max(x['peak_cores'] for x in runs):.1f} | "
                      f"{max(x['peak_pss_mib'] for x in runs)} MiB |")
