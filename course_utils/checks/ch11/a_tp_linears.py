@@ -76,8 +76,24 @@ CATALOGUE = Catalogue(
         "row_bias_on_every_rank",
         "each rank adds its bias, as every linear layer does",
         "RowParallelLinear's output is off by exactly (world-1) x bias",
-        "add the row-parallel bias once, after the all-reduce (or on one rank only before it): "
-        "added on every rank before the sum, it is counted world times",
+        "add the whole bias after the all-reduce, on every rank: added on every rank before the sum, "
+        "it is counted world times",
+    ),
+    Misconception(
+        "row_bias_on_one_rank",
+        "the bias must be counted once, so one rank adds it before the sum",
+        "the output is right, but RowParallelLinear.bias has no gradient on the ranks that skip it",
+        "add the whole bias after the all-reduce, on every rank. Added on one rank before the sum, the "
+        "output is right, but the other ranks' copies of the bias never take part, get no gradient "
+        "and are never trained: after one optimizer step the ranks hold different biases, and a "
+        "checkpoint written by any other rank keeps a stale one",
+    ),
+    Misconception(
+        "row_bias_divided_by_world",
+        "dividing the bias by the world size before the sum adds it once in total",
+        "the output is right, but RowParallelLinear.bias.grad is exactly 1/world of nn.Linear's",
+        "the bias divided by the world size on every rank sums to the right output, but its gradient "
+        "is divided too (d(b/N)/db = 1/N): add the whole bias once, after the all-reduce",
     ),
     Misconception(
         "input_not_replicated",
@@ -93,6 +109,29 @@ CATALOGUE = Catalogue(
         "the input is replicated in forward, so its gradient must be summed over ranks in backward: "
         "pass the input through an autograd function that is the identity in forward and "
         "all-reduces grad_output in backward",
+    ),
+    Misconception(
+        "input_grad_averaged",
+        "the ranks' gradients are averaged, as in data parallelism",
+        "ColumnParallelLinear's input.grad is exactly 1/world of nn.Linear's",
+        "sum the input's gradient over ranks, do not average it (no division by the world size, no "
+        "ReduceOp.AVG): each rank holds a different part of it, the part that flows through its own "
+        "output features, not a copy of the same gradient as in data parallelism",
+    ),
+    Misconception(
+        "output_averaged",
+        "the partial products are averaged over ranks, as gradients are in data parallelism",
+        "RowParallelLinear's output is the mean of the ranks' partial products plus the bias",
+        "sum the partial products over ranks, do not average them: each rank multiplies a different "
+        "slice of the input features, and the whole product is their sum",
+    ),
+    Misconception(
+        "sum_outside_autograd",
+        "dist.all_reduce can be run on a detached tensor, or under torch.no_grad, and autograd follows",
+        "RowParallelLinear's output does not require grad, or its weight gets no gradient",
+        "the sum ran outside autograd (on a detached tensor or under torch.no_grad), so autograd "
+        "sees the result as a constant and no gradient reaches the weight: do the all-reduce inside "
+        "a torch.autograd.Function (forward: all-reduce a clone; backward: return grad_output)",
     ),
 )
 
@@ -127,14 +166,38 @@ def _describe(comm: dict[str, list]) -> str:
 
 def _run(layer_cls: type, full: nn.Linear, x: torch.Tensor, out_weight: torch.Tensor,
          device: torch.device) -> tuple[nn.Module, torch.Tensor, torch.Tensor, dict]:
-    """Build the learner's layer, run forward and backward under the spy."""
+    """Build the learner's layer, run forward and backward under the spy.
+
+    Backward runs only when the output has the expected shape and is attached to autograd; the
+    callers say what is wrong otherwise.
+    """
     layer = layer_cls(copy.deepcopy(full).to(device))
     x = x.to(device).requires_grad_()
     with CollectiveSpy(_WATCHED) as spy:
         y = layer(x)
-        if isinstance(y, torch.Tensor) and y.shape == out_weight.shape:
+        if isinstance(y, torch.Tensor) and y.shape == out_weight.shape and y.requires_grad:
             (y * out_weight.to(device)).sum().backward()
     return layer, x, y, _comm(spy)
+
+
+def _factor(got: torch.Tensor | None, want: torch.Tensor) -> float | None:
+    """The c with ``got == c * want`` (to rounding), or None when ``got`` is no multiple of ``want``."""
+    if got is None or got.shape != want.shape:
+        return None
+    g, w = got.detach().double().cpu().flatten(), want.detach().double().cpu().flatten()
+    if float(w @ w) == 0.0:
+        return None
+    c = float(g @ w) / float(w @ w)
+    return c if float((g - c * w).abs().max()) <= 1e-4 * (1 + float(w.abs().max())) else None
+
+
+def _is(c: float | None, value: float) -> bool:
+    return c is not None and abs(c - value) <= 1e-3 * max(1.0, abs(value))
+
+
+def _times(c: float, world: int) -> str:
+    """A factor in words: 'exactly 1/4 of', 'exactly 2x'."""
+    return f"exactly 1/{world} of" if _is(c, 1 / world) else f"exactly {c:g}x"
 
 
 def _shard_problem(name: str, layer: nn.Module, want: dict[str, tuple], wrong: tuple) -> str:
@@ -152,12 +215,18 @@ def _shard_problem(name: str, layer: nn.Module, want: dict[str, tuple], wrong: t
     return ""
 
 
-def _values_problem(name: str, expected: dict, got: dict, comm: dict, hint: str) -> str:
+def _values_problem(name: str, expected: dict, got: dict, comm: dict, seen: str, hint: str) -> str:
+    """The table of differences, what the checker observed (``seen``) and the cause it names."""
     rows = diff_table(expected, got)
     if max(d for _, d, _ in rows) <= ATOL:
         return ""
     return (f"{name} differs from the single-process nn.Linear ({_describe(comm)}):\n"
-            f"{format_table(rows, ATOL)}\nUsual mistake: {hint}")
+            f"{format_table(rows, ATOL)}\n{seen}: {hint}")
+
+
+def _unattached(name: str, y: torch.Tensor, comm: dict) -> str:
+    return (f"{name}'s output does not require grad (it has no grad_fn; {_describe(comm)}), so "
+            "backward cannot reach its weight: " + CATALOGUE.hint("sum_outside_autograd"))
 
 
 def _column(Column: type, rank: int, world: int, device: torch.device) -> str:
@@ -184,39 +253,54 @@ def _column(Column: type, rank: int, world: int, device: torch.device) -> str:
                     "return this rank's slice of the output features (no all-gather); the "
                     "row-parallel layer that follows takes exactly that slice")
         return f"ColumnParallelLinear's output has shape {tuple(y.shape)}, expected {want_shape}"
+    if not y.requires_grad:
+        return _unattached("ColumnParallelLinear", y, comm)
     fwd, bwd = comm["forward"], comm["backward"]
+    own_part = w[..., rows] @ full.weight.detach()[rows]  # the input's gradient through this rank's rows
     expected = {"output": ref(x)[..., rows], "weight.grad": ref.weight.grad[rows],
                 "bias.grad": ref.bias.grad[rows], "input.grad": ref_x.grad}
     got = {"output": y, "weight.grad": layer.weight.grad, "bias.grad": layer.bias.grad, "input.grad": lx.grad}
     got = {k: v for k, v in got.items() if v is not None}
+    c = _factor(lx.grad, ref_x.grad)
     if fwd and bwd:
-        hint = CATALOGUE.hint("all_reduce_in_both_passes")
+        seen, hint = ("it all-reduced in forward and in backward",
+                      CATALOGUE.hint("all_reduce_in_both_passes"))
     elif fwd:
-        hint = CATALOGUE.hint("all_reduce_in_wrong_pass")
-    elif not bwd and _only_input_grad_wrong(expected, got):
-        hint = CATALOGUE.hint("input_grad_not_all_reduced")
+        seen, hint = ("it all-reduced in forward and not in backward",
+                      CATALOGUE.hint("all_reduce_in_wrong_pass"))
+    elif _is(c, 1 / world):
+        seen, hint = (f"input.grad is {_times(c, world)} nn.Linear's input gradient, the rest is right",
+                      CATALOGUE.hint("input_grad_averaged"))
     elif bwd and all(shape != (BATCH, SEQ, IN) for _, shape in bwd):
-        hint = (f"the backward all-reduce ran on {bwd[0][1]}, not on the input's gradient "
-                f"{(BATCH, SEQ, IN)}: the weight's gradient is this rank's own (its shard), "
-                "it is the replicated input's gradient that is summed")
-    else:
+        seen, hint = (f"the backward all-reduce ran on {bwd[0][1]}, not on the input's gradient "
+                      f"{(BATCH, SEQ, IN)}",
+                      "the weight's gradient is this rank's own (its shard): it is the replicated "
+                      "input's gradient that is summed over ranks")
+    elif _is(_factor(lx.grad, own_part), 1.0) and not _is(c, 1.0):
+        seen = (f"input.grad is exactly the gradient through this rank's own {HID // world} output "
+                "features, not the sum over ranks"
+                + ("" if bwd else ", and no collective ran in backward"))
         hint = CATALOGUE.hint("input_grad_not_all_reduced")
-    return _values_problem("ColumnParallelLinear", expected, got, comm, hint)
+    elif c is not None and not _is(c, 1.0):
+        seen, hint = (f"input.grad is {_times(c, world)} nn.Linear's input gradient",
+                      "the backward must sum the ranks' parts of the input's gradient exactly once, "
+                      "with nothing else done to it")
+    else:
+        seen, hint = ("what differs", "compare with the lesson's f (section 3): the identity in forward, "
+                      "an all-reduce (sum) of grad_output in backward, in front of F.linear with this "
+                      "rank's rows of the weight and its slice of the bias")
+    return _values_problem("ColumnParallelLinear", expected, got, comm, seen, hint)
 
 
-def _only_input_grad_wrong(expected: dict, got: dict) -> bool:
-    rows = {n: d for n, d, _ in diff_table(expected, got)}
-    return rows.get("input.grad", 0) > ATOL and all(d <= ATOL for n, d in rows.items() if n != "input.grad")
-
-
-def _row(Row: type, rank: int, world: int, device: torch.device) -> str:
+def _row(Row: type, rank: int, world: int, device: torch.device) -> tuple[str, dict]:
+    """RowParallelLinear on this rank: the problem ("" if none) and what the checker saw."""
     full = _reference(12, HID, OUT)
     x, w = _data(3, BATCH, SEQ, HID), _data(4, BATCH, SEQ, OUT)
     cols = slice(rank * HID // world, (rank + 1) * HID // world)
     problem = _shard_problem("RowParallelLinear", Row(copy.deepcopy(full).to(device)),
                              {"weight": (OUT, HID // world), "bias": (OUT,)}, (OUT // world, HID))
     if problem:
-        return problem
+        return problem, {}
     ref_x = x.clone().requires_grad_()
     ref = copy.deepcopy(full)
     ref_y = ref(ref_x)
@@ -225,32 +309,78 @@ def _row(Row: type, rank: int, world: int, device: torch.device) -> str:
     if not isinstance(y, torch.Tensor) or tuple(y.shape) != (BATCH, SEQ, OUT):
         shape = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
         return (f"RowParallelLinear's output is {shape}, expected the whole output {(BATCH, SEQ, OUT)} "
-                "on every rank (sum the partial products over ranks)")
+                "on every rank (sum the partial products over ranks)"), {}
+    if not y.requires_grad:
+        return _unattached("RowParallelLinear", y, comm), {}
     fwd, bwd = comm["forward"], comm["backward"]
     expected = {"output": ref_y, "weight.grad": ref.weight.grad[:, cols], "bias.grad": ref.bias.grad,
                 "input.grad": ref_x.grad[..., cols]}
     got = {"output": y, "weight.grad": layer.weight.grad, "bias.grad": layer.bias.grad, "input.grad": lx.grad}
     got = {k: v for k, v in got.items() if v is not None}
-    off = (y.detach().cpu() - ref_y.detach()).reshape(-1, OUT)
+    bias = full.bias.detach()
+    y_cpu = y.detach().cpu()
+    partial = x[..., cols] @ full.weight.detach()[:, cols].T  # this rank's partial product
+    output_right = torch.allclose(y_cpu, ref_y.detach(), atol=1e-4)
+    cw = _factor(layer.weight.grad, ref.weight.grad[:, cols])
+    seen_by = {}
     if fwd and bwd:
-        hint = CATALOGUE.hint("all_reduce_in_both_passes")
-    elif bwd:
-        hint = CATALOGUE.hint("all_reduce_in_wrong_pass")
-    elif torch.allclose(off, (world - 1) * full.bias.detach().expand_as(off), atol=1e-4):
-        hint = CATALOGUE.hint("row_bias_on_every_rank")
-    elif not fwd and not torch.allclose(off, torch.zeros_like(off), atol=ATOL):
-        hint = "RowParallelLinear must sum the partial products of all ranks in forward (all-reduce)"
+        scaled = f", and weight.grad is {_times(cw, world)} nn.Linear's" if cw and not _is(cw, 1) else ""
+        seen, hint = ("it all-reduced in forward and in backward" + scaled,
+                      CATALOGUE.hint("all_reduce_in_both_passes"))
+    elif bwd and not fwd:
+        seen, hint = ("it all-reduced in backward and not in forward",
+                      CATALOGUE.hint("all_reduce_in_wrong_pass"))
+    elif torch.allclose(y_cpu, ref_y.detach() + (world - 1) * bias, atol=1e-4):
+        seen, hint = (f"the output is nn.Linear's plus exactly {world - 1} x bias",
+                      CATALOGUE.hint("row_bias_on_every_rank"))
+    elif torch.allclose(y_cpu, (ref_y.detach() - bias) / world + bias, atol=1e-4):
+        seen, hint = (f"the output is exactly 1/{world} of the summed partial products, plus the bias",
+                      CATALOGUE.hint("output_averaged"))
+    elif torch.allclose(y_cpu, partial + bias, atol=1e-4):
+        seen, hint = ("the output is this rank's own partial product plus the bias"
+                      + ("" if fwd else ", and no collective ran in forward"),
+                      "RowParallelLinear must sum the partial products of all ranks in forward "
+                      "(all-reduce), then add the bias once")
+    elif output_right and layer.weight.grad is None:
+        seen, hint = ("the output is right, but RowParallelLinear.weight got no gradient",
+                      CATALOGUE.hint("sum_outside_autograd"))
+    elif output_right and layer.bias.grad is None:
+        seen_by = {"bias_without_grad": True}
+        seen, hint = ("the output is right, but RowParallelLinear.bias got no gradient on this rank",
+                      CATALOGUE.hint("row_bias_on_one_rank"))
+    elif output_right and _is(_factor(layer.bias.grad, ref.bias.grad), 1 / world):
+        seen, hint = (f"the output is right, but bias.grad is exactly 1/{world} of nn.Linear's",
+                      CATALOGUE.hint("row_bias_divided_by_world"))
+    elif cw is not None and not _is(cw, 1.0):
+        seen, hint = (f"weight.grad is {_times(cw, world)} nn.Linear's",
+                      "the backward of the sum is the identity: every rank already holds the whole "
+                      "gradient of the replicated output, nothing is summed or scaled in backward")
     else:
-        hint = CATALOGUE.hint("all_reduce_in_wrong_pass")
-    return _values_problem("RowParallelLinear", expected, got, comm, hint)
+        seen, hint = ("what differs", "compare with the lesson's g (section 3): an all-reduce (sum) of "
+                      "the partial product in forward, the identity in backward, then the whole bias "
+                      "added once")
+    return _values_problem("RowParallelLinear", expected, got, comm, seen, hint), seen_by
 
 
 def _worker(Column: type, Row: type) -> Outcome:
     with process_group() as pg:
-        problem = _column(Column, pg.rank, pg.world, pg.device)
+        problem, seen = _column(Column, pg.rank, pg.world, pg.device), {}
         if not problem:
-            problem = _row(Row, pg.rank, pg.world, pg.device)
-        return Outcome(pg.rank, problem=f"on {pg.world} ranks, {problem}" if problem else "")
+            problem, seen = _row(Row, pg.rank, pg.world, pg.device)
+        return Outcome(pg.rank, problem=f"on {pg.world} ranks, {problem}" if problem else "", data=seen)
+
+
+def _bias_on_some_ranks(outcomes: list, world: int) -> None:
+    """A bias added on one rank only: name the ranks whose copy got no gradient."""
+    outcomes = [o for o in outcomes if isinstance(o, Outcome)]
+    without = sorted(o.rank for o in outcomes if o.data.get("bias_without_grad"))
+    if not without:
+        return
+    rest = sorted(o.rank for o in outcomes if o.rank not in without)
+    others = (f", while rank {', '.join(map(str, rest))}'s got the right one" if rest else "")
+    raise CheckFailed(
+        f"on {world} ranks, the output of RowParallelLinear is right, but its bias got no gradient on "
+        f"rank {', '.join(map(str, without))}{others}: " + CATALOGUE.hint("row_bias_on_one_rank"))
 
 
 @checker("11.a tensor-parallel linears")
@@ -261,8 +391,13 @@ def check_tp_linears(ColumnParallelLinear: type, RowParallelLinear: type) -> Non
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise CheckFailed(f"expected {name} to be an nn.Module subclass, got {cls!r}")
     for world in WORLDS:
-        judge(run_workers(_worker, world, args=(ColumnParallelLinear, RowParallelLinear), timeout=60,
-                          hang_hint="every rank must run the same all-reduces: a rank that skips "
-                          "one (an `if rank == 0:` around it) leaves the others waiting"), world=world)
+        outcomes = run_workers(_worker, world, args=(ColumnParallelLinear, RowParallelLinear), timeout=60,
+                               hang_hint="every rank must run the same all-reduces: a rank that skips "
+                               "one (an `if rank == 0:` around it) leaves the others waiting")
+        _bias_on_some_ranks(outcomes, world)
+        judge(outcomes, world=world)
 
 
+check_tp_linears.__doc__ += (
+    "\n\n    The mistakes it recognises (what a learner believes, what the checker observes):\n\n"
+    + "\n".join("    " + line for line in CATALOGUE.markdown().splitlines()))
