@@ -105,7 +105,7 @@ which-torch:
 # A course update that keeps your work: your changed files are copied to my-work/, the tracked
 # ones restored, `git pull --ff-only` run, your exercise answers put back (tools/update_course.py).
 update:
-	$(PYTHON) tools/update_course.py $(if $(DRY),--dry-run)
+	$(PYTHON) tools/update_course.py $(if $(DRY),--dry-run) $(if $(FORCE),--force)
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/launch_overhead.py
