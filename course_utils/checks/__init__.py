@@ -25,6 +25,7 @@ from .ch10 import check_bucketed_ddp, check_comm_prediction, check_sharded_optim
 from .ch11 import check_checkpoint_memory, check_tp_linears
 from .ch12 import check_gpipe, check_rank_memory, check_resharding
 from .ch13 import check_find_culprit
+from .ch14 import check_ring_attention, check_ulysses, check_zigzag
 from .ch16 import check_diloco_outer, check_local_sgd_sync
 
 __all__ = [
@@ -58,6 +59,9 @@ __all__ = [
     "check_resharding",
     "check_rank_memory",
     "check_find_culprit",
+    "check_ring_attention",
+    "check_zigzag",
+    "check_ulysses",
     "check_diloco_outer",
     "check_local_sgd_sync",
 ]
