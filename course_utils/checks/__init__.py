@@ -26,6 +26,7 @@ from .ch11 import check_checkpoint_memory, check_tp_linears
 from .ch12 import check_gpipe, check_rank_memory, check_resharding
 from .ch13 import check_find_culprit
 from .ch14 import check_ring_attention, check_ulysses, check_zigzag
+from .ch15 import check_dispatch_combine, check_load_balancing_loss
 from .ch16 import check_diloco_outer, check_local_sgd_sync
 
 __all__ = [
@@ -62,6 +63,8 @@ __all__ = [
     "check_ring_attention",
     "check_zigzag",
     "check_ulysses",
+    "check_dispatch_combine",
+    "check_load_balancing_loss",
     "check_diloco_outer",
     "check_local_sgd_sync",
 ]
