@@ -44,6 +44,7 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import glob
 import os
 import re
@@ -99,6 +100,17 @@ def unavailable_reason() -> str | None:
     if _free_subnet() is None:
         return f"every subnet {NETWORK}.K.0/24 that the local cluster could use is taken on this machine"
     return None
+
+
+def _subnet_lock() -> int:
+    """A descriptor holding the lock under which a cluster picks its subnet and puts its first
+    address on it (close it to release): two clusters started at once, say by two learners on one
+    machine, would otherwise both see K free and both take it. An flock, which a killed owner
+    releases with its last descriptor."""
+    folder = "/run/lock" if os.access("/run/lock", os.W_OK) else tempfile.gettempdir()
+    fd = os.open(os.path.join(folder, f"{PREFIX}-subnets.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
 
 
 def _free_subnet():
@@ -442,7 +454,12 @@ def start(timeout: float = 30.0) -> LocalCluster:
     if reason:
         raise RuntimeError(f"cannot start a local Slurm cluster: {reason}")
     remove_leftovers()
+    lock = _subnet_lock()  # held until this cluster's address is on its subnet (or the start failed)
     k = _free_subnet()
+    if k is None:
+        os.close(lock)
+        raise RuntimeError(f"cannot start a local Slurm cluster: every subnet {NETWORK}.K.0/24 is taken "
+                           "on this machine (by other clusters of this course, or by its networks)")
     tag, subnet = f"{os.getpid()}-{k}", f"{NETWORK}.{k}"
     folder = tempfile.mkdtemp(prefix=f"{PREFIX}-{tag}-")
     os.chmod(folder, 0o755)  # job processes (any user) read slurm.conf from here
@@ -455,7 +472,10 @@ def start(timeout: float = 30.0) -> LocalCluster:
     atexit.register(cluster.stop)
     try:
         cluster._reaper = _start_reaper(tag, folder)
-        plugged = _make_network(tag, subnet)
+        try:
+            plugged = _make_network(tag, subnet)
+        finally:
+            os.close(lock)
         cluster.controller = plugged.pop("ctl")
         cluster.nodes = plugged
         with open(conf, "w") as f:

@@ -4,7 +4,8 @@ What it adds to ch04_train.py: argument parsing for everything a job needs, logg
 only, checkpoints every few *steps* (so a crash mid-epoch loses little) written atomically and
 read with ``weights_only=True``, ``@record`` so that torchrun reports the root cause of a failure,
 ``--data-dir`` to prepare the data once per node (local rank 0 writes it, the others wait at a
-barrier), and three switches for the lessons: ``--show-env`` (every worker prints what the
+barrier), a save on a preemption warning (SIGUSR1: every rank stops after the same step, with a
+checkpoint of it), and three switches for the lessons: ``--show-env`` (every worker prints what the
 launcher gave it), ``--crash-at-step`` (one worker fails on purpose, in the first attempt only) and
 ``--step-time`` (slow the steps of the first run down, so that a demo can interrupt it mid-run).
 
@@ -25,8 +26,10 @@ import gc
 import itertools
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 
 import torch
@@ -170,8 +173,24 @@ def save_checkpoint(path, model, optimizer, step):
 
 
 def load_checkpoint(path, model, optimizer, device):
-    """Read tensors and plain containers only (``weights_only=True`` runs no pickled code)."""
-    state = torch.load(path, map_location=device, weights_only=True)
+    """Read tensors and plain containers only (``weights_only=True`` runs no pickled code).
+
+    A file that is not a whole checkpoint (cut short, or written by a save that did not finish
+    in place) is refused with a message that says so, instead of torch's zip-reader error.
+    """
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except (RuntimeError, EOFError) as e:
+        if "PytorchStreamReader" not in str(e) and not isinstance(e, EOFError):
+            raise
+        what = (str(e).splitlines() or [type(e).__name__])[0]
+        raise RuntimeError(f"{path} is not a whole checkpoint: it ends before its last record ({what}). "
+                           "A save stopped half-way wrote it in place; save_checkpoint never does (it "
+                           "renames a finished file). Delete it to start over, or put the previous "
+                           "checkpoint back.") from e
+    if not isinstance(state, dict) or not {"model", "optimizer", "step"} <= state.keys():
+        raise RuntimeError(f"{path} is not a checkpoint of this script: it has no model, optimizer "
+                           "and step entries")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"])
@@ -188,6 +207,33 @@ def evaluate(model, x, y, device, rank, world):
         dist.all_reduce(counts)
     model.train()
     return (counts[0] / counts[1]).item()
+
+
+class PreemptionWarning:
+    """SIGUSR1 sets a flag, nothing else; ``agreed()`` tells every rank whether anyone got it.
+
+    A signal handler runs between two bytecodes of the main thread, in the middle of whatever
+    it was doing (a collective, a save); it only records the wish. At the end of each step all
+    ranks all-reduce the flag (MAX), so they agree on the step to stop after, even if the signal
+    reached the nodes a step apart, and rank 0 saves that step before anyone leaves.
+    """
+
+    def __init__(self):
+        self.requested = False
+        # Only in the main thread (signal.signal's condition) and only where nobody else uses
+        # SIGUSR1: the course's launcher has it dump the workers' stacks (getsignal is then None).
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN)):
+            signal.signal(signal.SIGUSR1, self._set)
+
+    def _set(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, device, distributed):
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        if distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 class Skipping(Sampler):
@@ -207,6 +253,7 @@ class Skipping(Sampler):
 def train(args):
     if args.show_env:
         show_env()  # before joining the group: shows what a worker got even if joining fails
+    warning = PreemptionWarning()  # before the slow start: a warning may come at any time
     device, distributed = setup(args.timeout)
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
@@ -238,7 +285,8 @@ def train(args):
     first_run = attempt == 0 and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
     step_time = args.step_time if first_run else 0.0
 
-    while step < args.steps:
+    stop = False
+    while step < args.steps and not stop:
         # The data order depends on the step alone: a resumed run reads exactly the batches
         # that the lost attempt would have read (set_epoch, then skip the finished ones). The
         # skip happens in the sampler, among indices: no sample of a finished batch is loaded,
@@ -265,17 +313,25 @@ def train(args):
             time.sleep(max(0.0, step_time - (time.monotonic() - started)))
             if args.log_every and step % args.log_every == 0:
                 log(f"step {step:3d}  loss on rank 0 {loss.item():.4f}")
-            if args.ckpt and step % args.save_every == 0 and rank == 0:
+            stop = warning.agreed(device, distributed)  # every rank the same answer, every step
+            if args.ckpt and rank == 0 and (stop or step % args.save_every == 0 or step == args.steps):
                 save_checkpoint(args.ckpt, plain, optimizer, step)
                 log(f"step {step:3d}  checkpoint saved")
+            if stop:
+                break
 
-    acc = evaluate(model, x_val, y_val, device, rank, world)
-    log(f"done: {step} steps, held-out accuracy {acc:.3f}")
-    final = {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()}
-    if args.out and rank == 0:
-        tmp = args.out + ".tmp"
-        torch.save(final, tmp)
-        os.replace(tmp, args.out)
+    final = None
+    if stop:  # a requeued run resumes from this step's checkpoint
+        log(f"preemption warning: stopped after step {step}, "
+            f"{'its checkpoint saved' if args.ckpt else 'nothing saved (no --ckpt)'}")
+    else:
+        acc = evaluate(model, x_val, y_val, device, rank, world)
+        log(f"done: {step} steps, held-out accuracy {acc:.3f}")
+        final = {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()}
+        if args.out and rank == 0:
+            tmp = args.out + ".tmp"
+            torch.save(final, tmp)
+            os.replace(tmp, args.out)
     if distributed:
         dist.barrier()  # nobody leaves while another rank may still be talking to it
         # DDP's reducer holds the process group: release it first (gc: DDP has reference

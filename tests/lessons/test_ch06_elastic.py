@@ -113,3 +113,105 @@ def test_atomic_save_forces_the_directory_to_disk_after_the_rename(tmp_path, mon
 ])
 def test_a_slurm_task_bound_to_one_gpu_is_recognised(env, bound):
     assert _load("ch06_train").slurm_bound_one_gpu(env) is bound
+
+
+_WRITER = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import ch06_train
+big = torch.nn.Linear(3000, 3000)  # about 36 MB of parameters: a save that lasts a while
+opt = torch.optim.Adam(big.parameters())
+big(torch.ones(1, 3000)).sum().backward()
+opt.step()  # Adam's moments: the checkpoint is three times the parameters
+print("saving", flush=True)
+while True:
+    ch06_train.save_checkpoint(sys.argv[2], big, opt, 20)
+"""
+
+
+def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    """SIGKILL while the next checkpoint is half written: the file under the real name is still the
+    previous, whole one (a reader sees old or new, never a mix)."""
+    import signal
+    import subprocess
+
+    train = _load("ch06_train")
+    from course_utils.data import make_model
+
+    path = tmp_path / "ckpt.pt"
+    model = make_model(seed=0)
+    train.save_checkpoint(str(path), model, torch.optim.Adam(model.parameters()), 10)
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(NOTEBOOKS), str(path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "saving"
+        deadline = psutil.time.time() + 60
+        while not any(p.name.endswith(".tmp") and p.stat().st_size > 1_000_000 for p in tmp_path.iterdir()):
+            assert psutil.time.time() < deadline and writer.poll() is None, "the save never started"
+            psutil.time.sleep(0.002)
+        os.kill(writer.pid, signal.SIGKILL)  # mid-write of the temporary file
+        writer.wait()
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())  # the half-written file
+    fresh = make_model(seed=1)
+    assert train.load_checkpoint(str(path), fresh, torch.optim.Adam(fresh.parameters()), "cpu") == 10
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99, 0.0])
+def test_loading_a_cut_short_checkpoint_fails_and_says_so(tmp_path, keep):
+    """What a save written in place and stopped half-way leaves: refused by name, not loaded."""
+    train = _load("ch06_train")
+    from course_utils.data import make_model
+
+    path = tmp_path / "ckpt.pt"
+    model = make_model(seed=0)
+    train.save_checkpoint(str(path), model, torch.optim.Adam(model.parameters()), 10)
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+    with pytest.raises(RuntimeError, match="is not a whole checkpoint"):
+        train.load_checkpoint(str(path), model, torch.optim.Adam(model.parameters()), "cpu")
+
+
+def test_a_preemption_warning_stops_every_rank_after_the_same_step_and_resumes_equal(job):
+    """SIGUSR1 to torchrun's agent (what srun forwards from the batch shell): with SIGUSR1 among
+    --signals-to-handle the agent passes it on; the workers save one step and stop; the resumed run
+    ends bit-identical to an uninterrupted one."""
+    import signal
+    import subprocess
+
+    agent = TORCHRUN + ["--standalone", "--nproc_per_node=2",
+                        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "ch06_train.py",
+                        "--steps", "16", "--save-every", "5", "--log-every", "0"]
+    ckpt = ["--ckpt", str(job / "ckpt.pt")]
+    env = dict(os.environ, **QUIET)
+    first = subprocess.Popen(agent + ckpt + ["--step-time", "0.2"], cwd=NOTEBOOKS, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in first.stdout:
+            lines.append(line)
+            if "step   5  checkpoint saved" in line:
+                first.send_signal(signal.SIGUSR1)
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    out = "".join(lines)
+    stopped = [x for x in lines if "preemption warning: stopped after step" in x]
+    assert len(stopped) == 1, out  # rank 0 logs it once, for all
+    step = int(stopped[0].split("after step ")[1].split(",")[0])
+    assert 5 <= step < 16 and f"step {step:3d}  checkpoint saved" in out, out
+    assert torch.load(job / "ckpt.pt", weights_only=True)["step"] == step
+    (second,) = run_commands({"resume": agent + ckpt + ["--out", str(job / "resumed.pt")]}, timeout=120,
+                             env=QUIET, cwd=NOTEBOOKS, echo=False)
+    assert f"resumed from ckpt.pt at step {step}" in second.output and second.returncode == 0, second.output
+    (plain,) = run_commands({"plain": agent + ["--out", str(job / "plain.pt")]}, timeout=120, env=QUIET,
+                            cwd=NOTEBOOKS, echo=False)
+    a, b = (torch.load(job / f"{n}.pt", weights_only=True) for n in ("resumed", "plain"))
+    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run differs from the uninterrupted one"

@@ -7,6 +7,10 @@ namespace of its own (see the module). On it:
   ends with the expected result, and every worker may use the CPUs its task asked for;
 - the same job requeued mid-run (``scontrol requeue``) resumes from its checkpoint and ends with a
   model bit-identical to the uninterrupted run's;
+- a preemption warning (``scancel --signal=USR1 --batch``, what ``--signal=B:USR1@300`` sends before
+  the time limit) makes every worker stop after the same step with its checkpoint; the batch shell
+  requeues the job, which resumes there and ends equal to the uninterrupted run;
+- two clusters started at once get subnets of their own and both run a job;
 - ``ch06_slurm_srun.sh`` (srun alone, no torchrun) trains the same model;
 - the cluster leaves no process, namespace or file behind, also when the code using it fails, and
   also (its reaper) when the process that started it is killed;
@@ -74,7 +78,9 @@ def _submit(cluster, work, script, name, *args, options=()):
            "DATA_DIR": str(work / f"data-{name}"), "TORCH_CPP_LOG_LEVEL": "ERROR"}
     return cluster.sbatch(script, "--show-env", *STEPS, "--out", str(work / f"{name}.pt"), *args,
                           options=["--job-name", name, "--gpus-per-node=0", f"--cpus-per-task={CPUS}",
-                                   "--time=5", f"--output={work}/%x-%j.out", *options],
+                                   # 10 minutes: the template's warning comes 300 s (and up
+                                   # to 60 s more) before the limit, long after these jobs end
+                                   "--time=10", f"--output={work}/%x-%j.out", *options],
                           env=env, cwd=NOTEBOOKS)
 
 
@@ -140,6 +146,71 @@ def test_requeued_job_resumes_from_its_checkpoint_and_ends_equal(cluster, work, 
     assert resumed and int(resumed[0].split()[-1]) >= 10, log
     assert "done: 20 steps" in log
     assert _same_model(work / "plain.pt", work / "requeued.pt"), "requeued run differs"
+
+
+def _log_of(path):
+    return path.read_text() if path.exists() else ""
+
+
+def test_a_preemption_warning_saves_requeues_and_resumes_equal(cluster, work, uninterrupted):
+    job = _submit(cluster, work, "ch06_slurm.sbatch", "warned", "--step-time", "0.15")
+    log_path = work / f"warned-{job}.out"
+    deadline = time.monotonic() + 90
+    while "step   5  checkpoint saved" not in _log_of(log_path):
+        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), cluster.job(job)
+        assert time.monotonic() < deadline, _log_of(log_path) or "no log"
+        time.sleep(0.1)
+    cluster.run("scancel", "--signal=USR1", "--batch", job)  # to the batch shell only, as B: does
+    # The shell passes it on and, once the workers have saved and stopped, requeues the job.
+    while "requeueing job" not in _log_of(log_path) or cluster.job(job).get("JobState") != "PENDING":
+        assert cluster.job(job).get("JobState") in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), \
+            f"{cluster.job(job)}\n{_log_of(log_path)}"
+        assert time.monotonic() < deadline + 60, _log_of(log_path)
+        time.sleep(0.2)
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    info, log = _finish(cluster, work, job, "warned")
+    assert info["Restarts"] == "1", info
+    stopped = [line for line in log.splitlines() if "preemption warning: stopped after step" in line]
+    assert len(stopped) == 1 and "its checkpoint saved" in stopped[0], log
+    step = int(stopped[0].split("stopped after step ")[1].split(",")[0])
+    assert 5 <= step < 20, log
+    # Every rank stopped after the same step: the one whose checkpoint the second run resumed.
+    assert f"step {step:3d}  checkpoint saved" in log
+    assert f"resumed from warned-{job}.pt at step {step}" in log, log
+    assert "done: 20 steps" in log and log.count("done: 20 steps") == 1
+    assert _same_model(work / "plain.pt", work / "warned.pt"), "the warned and requeued run differs"
+
+
+_TWO_AT_ONCE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("slurm_cluster", sys.argv[1])
+sc = sys.modules["slurm_cluster"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sc)
+sys.stdin.readline()  # both processes start their clusters at the same moment
+with sc.local_cluster() as c:
+    job = c.sbatch("--wrap", "srun hostname", options=["-N", "2", "--output=/dev/null"])
+    print(c.subnet, c.wait(job, timeout=60)["JobState"], flush=True)
+"""
+
+
+def test_two_clusters_started_at_once_both_run():
+    owners = [subprocess.Popen([sys.executable, "-c", _TWO_AT_ONCE, slurm_cluster.__file__],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for _ in range(2)]
+    try:
+        for o in owners:
+            o.stdin.write("go\n")
+            o.stdin.flush()
+        outs = [o.communicate(timeout=120) for o in owners]
+    finally:
+        for o in owners:
+            if o.poll() is None:
+                o.kill()
+                o.wait()
+    said = [out.split() for out, _ in outs]
+    assert [o.returncode for o in owners] == [0, 0], outs
+    assert [s[1] for s in said] == ["COMPLETED", "COMPLETED"], outs
+    assert said[0][0] != said[1][0], f"both took {said[0][0]}"
 
 
 def test_srun_only_template_trains_the_same_model(cluster, work, uninterrupted):
