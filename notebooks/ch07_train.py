@@ -46,10 +46,12 @@ def accumulation_step(model, optimizer, micro_batches, *, use_no_sync=True):
 
 
 def scaled_lr(step, *, base_lr, base_batch, effective_batch, warmup_steps=0):
-    """Linear scaling rule with gradual warm-up (Goyal et al., 2017).
+    """Linear scaling rule with gradual warm-up (Goyal et al., 2017), for SGD.
 
     The peak rate is ``base_lr * effective_batch / base_batch``; during the first ``warmup_steps``
-    steps the rate climbs linearly from ``base_lr`` (known to be safe) to the peak.
+    steps the rate climbs linearly from ``base_lr`` (known to be safe) to the peak.  The rule is an
+    SGD result; for Adam or AdamW start nearer ``sqrt(effective_batch / base_batch)`` times the rate
+    (the square-root rule), and tune either way.
     """
     peak = base_lr * effective_batch / base_batch
     if warmup_steps and step < warmup_steps:

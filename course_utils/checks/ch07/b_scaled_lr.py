@@ -1,4 +1,4 @@
-"""07.b ``check_scaled_lr(fn)``: the linear scaling rule with a warm-up from ``base_lr``.
+"""07.b ``check_scaled_lr(fn)``: the linear scaling rule (SGD) with a warm-up from ``base_lr``.
 
 The learner's schedule is compared with the right one on three settings (one without warm-up), at
 step 0, 1, mid-warm-up, the end of the warm-up and after it.  A wrong value is compared with the
@@ -53,9 +53,10 @@ CATALOGUE = Catalogue(
     Misconception(
         "lr_square_root_rule", "the rate scales with the square root of the batch",
         "the peak is base_lr x sqrt(B / base_batch)",
-        "the square-root scaling rule (peak = base_lr x sqrt(B / base_batch)); this exercise uses "
-        "the linear rule, peak = base_lr x B / base_batch: one step on a batch n times larger then "
-        "moves the weights about as far as n steps on the base batch (Goyal et al., 2017)."),
+        "the square-root scaling rule (peak = base_lr x sqrt(B / base_batch)), the usual starting "
+        "point for Adam-type optimizers; this exercise's rate is for SGD with momentum, where the "
+        "linear rule holds, peak = base_lr x B / base_batch: one SGD step on a batch n times larger "
+        "then moves the weights about as far as n steps on the base batch (Goyal et al., 2017)."),
     Misconception(
         "lr_divides_by_zero", "every schedule has a warm-up",
         "ZeroDivisionError when warmup_steps is 0",
