@@ -9,7 +9,8 @@ Every replica (a rank here; on a real cluster a whole multi-GPU job) trains on i
   minus the local parameters (how far the replica moved, as a gradient would point), is averaged
   over the replicas, an outer SGD with Nesterov momentum steps the global copy with it, and every
   replica starts the next round from the new global copy.
-* Streaming (``fragments=K``): the model is cut into K fragments (layers, in order); fragment f is
+* Streaming (``fragments=K``): the model is cut into K fragments of equal size (the parameters'
+  elements in order; the paper cuts by layers, which this 3-layer model has too few of); fragment f is
   synchronised at its own steps, ``H/K`` apart from the next, so one sync sends about 1/K of the
   model. With ``overlap=T`` a fragment's all-reduce runs in the background while the replica takes
   ``T`` more inner steps; the outer step is applied when it arrives, and the fragment's local
@@ -34,11 +35,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_utils import backend_and_device
-from course_utils.devices import process_group_kwargs
 from course_utils.data import make_dataset, make_model
+from course_utils.devices import process_group_kwargs
 from course_utils.workarounds import apply_all
 
 DEFAULTS = dict(algo="diloco", H=16, steps=256, batch=32, inner="adamw", inner_lr=3e-3, outer_lr=0.7,
@@ -113,15 +115,31 @@ class LocalSGD:
         return sent
 
 
+def _fragments(params, k):
+    """The parameters cut into ``k`` fragments of (nearly) equal numbers of elements, in order: each
+    fragment is a list of 1-D views into the parameters (writing to a view writes the parameter)."""
+    flat = [p.detach().view(-1) for p in params]
+    total = sum(v.numel() for v in flat)
+    bounds = [round(total * f / k) for f in range(k + 1)]
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        frag, pos = [], 0
+        for v in flat:
+            a, b = max(lo, pos), min(hi, pos + v.numel())
+            if a < b:
+                frag.append(v[a - pos:b - pos])
+            pos += v.numel()
+        out.append(frag)
+    return out
+
+
 class DiLoCo:
     """The outer loop of DiLoCo around any inner optimizer: call ``after_step(step)`` after each
     inner step.  ``fragments``, ``overlap``: streaming (see the module's docstring)."""
 
     def __init__(self, model, H, outer_lr=0.7, momentum=0.9, group=None, comm="fp32", fragments=1,
                  overlap=0):
-        params = [p for p in model.parameters()]
-        per = math.ceil(len(params) / fragments)
-        self.fragments = [params[i:i + per] for i in range(0, len(params), per)]
+        self.fragments = _fragments([p for p in model.parameters()], fragments)
         # the global copy: what every replica agreed on at the fragment's last sync
         self.globals = [[p.detach().clone() for p in frag] for frag in self.fragments]
         # one outer optimizer over all global copies: its momentum lives as long as training does
@@ -200,7 +218,6 @@ def run(cfg, device):
     if algo.startswith("ddp"):
         net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         if algo == "ddp_fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
             net.register_comm_hook(None, fp16_compress_hook)
         elem = 2 if algo == "ddp_fp16" else 4
         grad_bytes = ring_bytes(sum(p.numel() for p in model.parameters()) * elem, world)
