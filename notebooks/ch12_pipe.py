@@ -9,7 +9,8 @@ Workers import this file (``from ch12_pipe import hand_pipeline, torch_schedules
   twice that backward), so that stages do not compete for the CPU; ``compute="real"`` runs the layers.
 - ``torch_schedules(n_micro)`` runs the same model through ``torch.distributed.pipelining``'s
   schedules and returns, per schedule, the step time and the peak bytes of activations each stage's
-  autograd graph held (counted by ``saved_tensors_hooks``).
+  autograd graph held (counted by ``saved_tensors_hooks``; the weights that ``addmm`` saves for the
+  gradient of its input are the parameters themselves, not activations, and are not counted).
 """
 
 import contextlib
@@ -137,10 +138,15 @@ def hand_pipeline(n_micros, compute="fixed", repeats=1):
 
 
 class ActivationMeter:
-    """Bytes of tensors autograd saves for backward, live and at the peak, while ``track()`` is on."""
+    """Bytes of tensors autograd saves for backward, live and at the peak, parameters left out.
 
-    def __init__(self):
+    A Linear saves its weight for the gradient of its input (``addmm`` keeps ``mat2``): that tensor is
+    the parameter itself (a view of its storage), held whatever the schedule, so it is not counted.
+    """
+
+    def __init__(self, params=()):
         self.live = self.peak = 0
+        self.params = {p.untyped_storage().data_ptr() for p in params}
 
     def reset(self):
         self.live = self.peak = 0
@@ -155,7 +161,8 @@ class ActivationMeter:
 
 class _Saved:
     def __init__(self, t, meter):
-        self.t, self.meter, self.n = t, meter, t.numel() * t.element_size()
+        weight = t.untyped_storage().data_ptr() in meter.params
+        self.t, self.meter, self.n = t, meter, 0 if weight else t.numel() * t.element_size()
         meter.live += self.n
         meter.peak = max(meter.peak, meter.live)
 
@@ -188,9 +195,10 @@ def torch_schedules(n_micro, repeats=3):
         for name, (cls, per_rank) in SCHEDULES.items():
             n_stages = world * per_rank
             per = LAYERS // n_stages
-            meter = ActivationMeter()
             indices = list(range(rank, n_stages, world))  # rank r holds stages r, r + world, ...
-            mods = [Metered(copy.deepcopy(full[s * per:(s + 1) * per]), meter) for s in indices]
+            parts = [copy.deepcopy(full[s * per:(s + 1) * per]) for s in indices]
+            meter = ActivationMeter(p for part in parts for p in part.parameters())
+            mods = [Metered(part, meter) for part in parts]
             stages = [PipelineStage(m, s, n_stages, device) for m, s in zip(mods, indices)]
             sched = cls(stages if per_rank > 1 else stages[0], n_microbatches=n_micro, loss_fn=F.mse_loss)
             times = []

@@ -14,6 +14,11 @@ section 3).  TP's collectives are DTensor's functional ones, which ``CollectiveS
 
 It opens (and closes) the process's default group, so run it in a worker of its own
 (``launch(simulate_fsdp, nprocs=1, args=((64,),))``), not in the notebook's kernel.
+
+``ring_seconds(op, nbytes, n, alpha_call, alpha_hop, beta)`` is the α-β time of one ring collective,
+with chapter 10's rule for the latency: a fixed cost per call plus one per hop of the ring (an
+all-reduce takes 2(N − 1) hops, an all-gather or a reduce-scatter N − 1).  Chapter 10 extrapolates
+from N = 2 with ``alpha_call = 0`` and ``alpha_hop = α / 2`` (so that 2(N − 1) hops give its α(N − 1)).
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checking import CollectiveSpy
+from .ch10 import ring_factor
 
-__all__ = ["sim_model", "sim_shapes", "simulate_fsdp", "FSDP_COLLECTIVES", "FunctionalCollectives"]
+__all__ = ["sim_model", "sim_shapes", "simulate_fsdp", "FSDP_COLLECTIVES", "FunctionalCollectives",
+           "ring_seconds"]
 
 # What FSDP2 calls in torch 2.13 (all_gather_single, not all_gather_into_tensor).
 FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
@@ -144,3 +151,16 @@ def simulate_fsdp(mesh_shape: tuple[int, ...], batch: int = 8, tp: int = 1) -> d
         dist.destroy_process_group()
         if barrier is not None:
             os.environ["TORCH_DIST_INIT_BARRIER"] = barrier
+
+
+def ring_seconds(op: str, nbytes: float, n: int, alpha_call: float, alpha_hop: float, beta: float) -> float:
+    """Seconds of one ring collective over ``n`` ranks on a link of ``beta`` bytes/s.
+
+    ``nbytes`` is the full tensor: the all-gather's output, the reduce-scatter's input, the all-reduce's
+    tensor.  Each rank sends (N − 1)/N of it per phase, through N − 1 hops; an all-reduce is a
+    reduce-scatter and an all-gather (``ring_factor``: 2(N − 1)/N, chapter 10).
+    """
+    if n <= 1:
+        return 0.0
+    phases = 2 if op == "all_reduce" else 1
+    return alpha_call + phases * (n - 1) * alpha_hop + phases * ring_factor(n) / 2 * nbytes / beta

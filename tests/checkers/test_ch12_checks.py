@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import pytest
 import torch
@@ -392,6 +394,7 @@ def shard_root(model):
 
 
 def save_dcp(model, optimizer, path):
+    """Written over the previous checkpoint's files, in place (not atomic)."""
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
@@ -402,16 +405,75 @@ def load_dcp(model, optimizer, path):
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
 
 
+def save_latest_link(model, optimizer, path):
+    """A new folder per save; after a barrier rank 0 switches path/latest to it with os.replace."""
+    name = [f"v{time.time_ns()}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, name[0]))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.symlink(name[0], os.path.join(path, "latest.tmp"))
+        os.replace(os.path.join(path, "latest.tmp"), os.path.join(path, "latest"))
+    dist.barrier()
+
+
+def load_latest_link(model, optimizer, path):
+    load_dcp(model, optimizer, os.path.join(path, os.readlink(os.path.join(path, "latest"))))
+
+
+def save_commit_marker(model, optimizer, path):
+    """A numbered folder per save, and a COMMITTED file that rank 0 writes last."""
+    n = 0
+    while os.path.exists(os.path.join(path, f"step{n}")):
+        n += 1
+    dist.barrier()  # every rank counted before any created the next folder
+    folder = os.path.join(path, f"step{n}")
+    save_dcp(model, optimizer, folder)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "COMMITTED"), "w") as f:
+            f.write("ok")
+    dist.barrier()
+
+
+def load_commit_marker(model, optimizer, path):
+    done = [d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, "COMMITTED"))]
+    if not done:
+        raise FileNotFoundError(f"no complete checkpoint in {path}")
+    load_dcp(model, optimizer, os.path.join(path, max(done, key=lambda d: int(d[4:]))))
+
+
 def save_async_separately(model, optimizer, path):
     state = {"weights": get_model_state_dict(model), "adamw": get_optimizer_state_dict(model, optimizer)}
-    dcp.async_save(state, checkpoint_id=path).result()
+    name = [f"v{time.time_ns()}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    dcp.async_save(state, checkpoint_id=os.path.join(path, name[0])).result()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.symlink(name[0], os.path.join(path, ".next"))
+        os.replace(os.path.join(path, ".next"), os.path.join(path, "latest"))
+    dist.barrier()
 
 
 def load_separately(model, optimizer, path):
     state = {"weights": get_model_state_dict(model), "adamw": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=os.path.realpath(os.path.join(path, "latest")))
     set_model_state_dict(model, state["weights"])
     set_optimizer_state_dict(model, optimizer, state["adamw"])
+
+
+def save_optimizer_by_position(model, optimizer, path):
+    """The optimizer's own state_dict (keys 0, 1, ...), saved atomically."""
+    name = [f"v{time.time_ns()}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    dcp.save({"model": get_model_state_dict(model), "optim": optimizer.state_dict()},
+             checkpoint_id=os.path.join(path, name[0]))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.symlink(name[0], os.path.join(path, "latest.tmp"))
+        os.replace(os.path.join(path, "latest.tmp"), os.path.join(path, "latest"))
+    dist.barrier()
 
 
 def save_rank0_torch(model, optimizer, path):
@@ -428,7 +490,7 @@ def load_rank0_torch(model, optimizer, path):
 
 def load_model_only(model, optimizer, path):
     msd = get_model_state_dict(model)
-    dcp.load({"model": msd}, checkpoint_id=path)
+    dcp.load({"model": msd}, checkpoint_id=os.path.join(path, os.readlink(os.path.join(path, "latest"))))
     set_model_state_dict(model, msd)
 
 
@@ -445,9 +507,10 @@ def resharding_stub(model, optimizer=None, path=None):
     raise NotImplementedError("Exercise 12.b resharding: fill in shard")
 
 
-@pytest.mark.parametrize("answer", [(shard_layers, save_dcp, load_dcp),
+@pytest.mark.parametrize("answer", [(shard_layers, save_latest_link, load_latest_link),
+                                    (shard_layers, save_commit_marker, load_commit_marker),
                                     (shard_root, save_async_separately, load_separately)],
-                         ids=["get_state_dict+save", "separate+async_save"])
+                         ids=["latest-link", "commit-marker", "separate+async_save"])
 def test_resharding_correct_answers_pass(answer, capsys):
     check_resharding(*answer)
     assert "[PASS] 12.b" in capsys.readouterr().out
@@ -455,8 +518,10 @@ def test_resharding_correct_answers_pass(answer, capsys):
 
 WRONG_B = {
     "saves_on_rank_zero_only": (shard_layers, save_rank0_torch, load_rank0_torch),
-    "loads_without_optimizer": (shard_layers, save_dcp, load_model_only),
-    "model_for_old_world": (shard_for_two, save_dcp, load_dcp),
+    "loads_without_optimizer": (shard_layers, save_latest_link, load_model_only),
+    "saves_in_place": (shard_layers, save_dcp, load_dcp),
+    "optimizer_by_position": (shard_layers, save_optimizer_by_position, load_latest_link),
+    "model_for_old_world": (shard_for_two, save_latest_link, load_latest_link),
 }
 
 
@@ -469,7 +534,7 @@ def test_resharding_names_each_misconception(entry, answer):
 
 def test_resharding_stub_is_not_done_yet():
     with pytest.raises(CheckFailed, match="not done yet"):
-        check_resharding(resharding_stub, save_dcp, load_dcp)
+        check_resharding(resharding_stub, save_latest_link, load_latest_link)
 
 
 def save_dcp_on_rank0(model, optimizer, path):
@@ -484,3 +549,18 @@ def test_resharding_sees_a_dcp_checkpoint_of_rank_zero_alone():
         check_resharding(shard_layers, save_dcp_on_rank0, load_dcp)
     assert b_resharding.CATALOGUE.hint("saves_on_rank_zero_only") in str(e.value), str(e.value)
     assert "elements of" in str(e.value), str(e.value)
+
+
+def save_dcp_rank0_collective(model, optimizer, path):
+    """dcp.save on rank 0 only, with the group (it waits for ranks that never join)."""
+    msd, osd = get_state_dict(model, optimizer)
+    if dist.get_rank() == 0:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def test_resharding_names_a_rank_zero_only_dcp_save_that_hangs():
+    with pytest.raises(CheckFailed) as e:
+        check_resharding(shard_layers, save_dcp_rank0_collective, load_dcp, timeout=15)
+    message = str(e.value)
+    assert b_resharding.CATALOGUE.hint("saves_on_rank_zero_only") in message, message
+    assert "course_utils" not in message, message

@@ -7,18 +7,27 @@ The learner writes three functions, each called on every rank::
     load_checkpoint(model, optimizer, path)       # into a model and optimizer of another job size
 
 The checker builds the model, calls ``shard``, trains 3 AdamW steps on 2 ranks and calls
-``save_checkpoint``; it reads the checkpoint's metadata (every element of every tensor must be in
-it, the optimizer's state too); then on 4 ranks it builds a model with other weights, calls
-``shard`` and ``load_checkpoint``, and compares the full model and optimizer state
-(``get_state_dict`` with ``full_state_dict=True``) with the state that was saved, exactly.
+``save_checkpoint``; rank 0 reads the checkpoint's metadata (every element of every tensor must be in
+it, the optimizer's state too; the newest ``.metadata`` under ``path``, wherever the answer keeps its
+folders).  Then, in the same job, one more step and a second ``save_checkpoint`` into the same
+``path`` that fails part way: on rank 1 every file opened for writing under ``path`` raises
+``OSError`` (an audit hook, ``sys.addaudithook``), after rank 0 has written its shards, as a full
+disk or a rank killed mid-save would leave it.  Then on 4 ranks it builds a model with other weights,
+calls ``shard`` and ``load_checkpoint``, and compares the full model and optimizer state
+(``get_state_dict`` with ``full_state_dict=True``) with the state of the last *whole* save, exactly:
+a save written over the previous checkpoint's files loads as a mix of both (rank 0's rows from the
+failed save, rank 1's from the earlier one), which the checker names.
 """
 
 from __future__ import annotations
 
 import copy
+import glob
 import math
 import os
+import re
 import shutil
+import sys
 import tempfile
 import traceback
 import warnings
@@ -29,7 +38,6 @@ from torch import nn
 
 from ...checking import (
     Catalogue,
-    CheckFailed,
     Misconception,
     Outcome,
     checker,
@@ -60,6 +68,24 @@ CATALOGUE = Catalogue(
         "save and load the optimizer state too: get_state_dict(model, optimizer) gives both "
         "state dicts, set_state_dict(model, optimizer, ...) puts both back; without AdamW's "
         "moments and step count the resumed run is not the run that was saved",
+    ),
+    Misconception(
+        "saves_in_place",
+        "a new checkpoint simply overwrites the old one in the same folder",
+        "after a save that failed on rank 1, the load returns rank 0's rows from the failed save and "
+        "rank 1's from the earlier one",
+        "write each save into a new folder and switch to it only once every rank has finished "
+        "(after a barrier, rank 0 points a `latest` link at it with os.replace, which is atomic; "
+        "the load reads the folder `latest` names): a save that dies part way then leaves the last "
+        "whole checkpoint as it was",
+    ),
+    Misconception(
+        "optimizer_by_position",
+        "optimizer.state_dict() is the optimizer's checkpoint, whatever loads it",
+        "dcp.load raises CheckpointException: the keys it asks for are not in the checkpoint",
+        "save and load the optimizer state in the same form: optimizer.state_dict() keys it by "
+        "position (0, 1, ...), get_state_dict / get_optimizer_state_dict by parameter name "
+        "(\"0.weight\", ...); use get_state_dict(model, optimizer) on both sides",
     ),
     Misconception(
         "model_for_old_world",
@@ -118,7 +144,47 @@ def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     return copy.deepcopy({"model": msd, "optim": osd.get("state", {})})  # AdamW's step tensors are live
 
 
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, s: int) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(10 + s)
+        x = torch.randn(8, DIM)
+    F.mse_loss(model(x), x).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class _FailingDisk:
+    """While armed, every file this process opens for writing under ``root`` raises ``OSError``.
+
+    An audit hook sees each ``open`` before it happens (``sys.addaudithook``; hooks cannot be removed,
+    so it is installed once per worker and disarmed).  Nothing is replaced: the answer's own calls run.
+    """
+
+    armed = False
+    root = ""
+
+    @classmethod
+    def install(cls, root: str) -> None:
+        cls.root = os.path.abspath(root) + os.sep
+        sys.addaudithook(cls._hook)
+
+    @classmethod
+    def _hook(cls, event: str, args: tuple) -> None:
+        if not cls.armed or event != "open" or not isinstance(args[0], (str, os.PathLike)):
+            return
+        mode, flags = args[1], args[2] if len(args) > 2 else 0
+        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
+            (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR))
+        if writes and os.path.abspath(os.fspath(args[0])).startswith(cls.root):
+            raise OSError(28, "No space left on device (simulated by the checker)", os.fspath(args[0]))
+
+
+def _learner_save(save_checkpoint, model, opt, path: str) -> None:
+    save_checkpoint(model, opt, path)  # named in the stacks of a hang: who had returned from it
+
+
 def _save_worker(shard, save_checkpoint, path: str) -> Outcome:
+    """Save after 3 steps (checked whole on rank 0), then a 4th step and a save that fails on rank 1."""
     warnings.filterwarnings("ignore", message=".*FSDP2-wrapped module")
     with process_group("gloo") as pg:  # FSDP2 over gloo on CPU, also on a machine with GPUs
         model, problem = _sharded(shard, 0, pg.world)
@@ -126,19 +192,50 @@ def _save_worker(shard, save_checkpoint, path: str) -> Outcome:
             return Outcome(pg.rank, problem=problem)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for s in range(STEPS):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(10 + s)
-                x = torch.randn(8, DIM)
-            F.mse_loss(model(x), x).backward()
-            opt.step()
-            opt.zero_grad()
+            _train_step(model, opt, s)
         saved = _full(model, opt)
-        save_checkpoint(model, opt, path)
-        torch.distributed.barrier()
-        return Outcome(pg.rank, data={"saved": saved if pg.rank == 0 else None})
+        _learner_save(save_checkpoint, model, opt, path)
+        verdict = [_coverage_problem(path) if pg.rank == 0 else None]
+        torch.distributed.broadcast_object_list(verdict, src=0)  # every rank stops, or goes on
+        if verdict[0]:
+            return Outcome(pg.rank, problem=f"saved on {pg.world} ranks: {verdict[0]}")
+
+        _train_step(model, opt, STEPS)
+        failed = _full(model, opt)
+        _FailingDisk.install(path)
+        _FailingDisk.armed = pg.rank == 1
+        try:
+            _learner_save(save_checkpoint, model, opt, path)
+            error = ""
+        except Exception as e:  # expected: rank 1's files cannot be written
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        except BaseException as e:  # dcp's CheckpointException derives from BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = f"{type(e).__name__}"
+        finally:
+            _FailingDisk.armed = False
+        return Outcome(pg.rank, data={"saved": saved if pg.rank == 0 else None,
+                                      "failed": failed if pg.rank == 0 else None, "error": error})
 
 
-def _load_worker(shard, load_checkpoint, path: str, saved: dict) -> Outcome:
+def _mixed(got: dict, saved: dict, failed: dict) -> list[str]:
+    """Tensors of ``got`` whose rows come partly from ``saved`` and partly from ``failed``."""
+    out = []
+    for k, want in saved.items():
+        g, f = got.get(k), failed.get(k)
+        if not (isinstance(g, torch.Tensor) and isinstance(f, torch.Tensor)) or g.shape != want.shape \
+                or g.dim() == 0:
+            continue
+        old = [bool(torch.equal(a, b)) for a, b in zip(g, want)]
+        new = [bool(torch.equal(a, b)) for a, b in zip(g, f)]
+        if any(n and not o for o, n in zip(old, new)) and any(o and not n for o, n in zip(old, new)):
+            rows = [i for i, (o, n) in enumerate(zip(old, new)) if n and not o]
+            out.append(f"{k} (rows {rows[0]}-{rows[-1]} from the failed save)")
+    return out
+
+
+def _load_worker(shard, load_checkpoint, path: str, saved: dict, failed: dict) -> Outcome:
     warnings.filterwarnings("ignore", message=".*FSDP2-wrapped module")
     with process_group("gloo") as pg:
         model, problem = _sharded(shard, 1, pg.world)
@@ -151,6 +248,19 @@ def _load_worker(shard, load_checkpoint, path: str, saved: dict) -> Outcome:
             return Outcome(pg.rank)
         where = f"after loading into {pg.world} ranks"
         if not close(got["model"], saved["model"], atol=0):
+            mixed = _mixed(got["model"], saved["model"], failed["model"])
+            if mixed:
+                return Outcome(pg.rank, problem=(
+                    f"{where}, the model is a mix of two checkpoints: {'; '.join(mixed[:3])}, the other "
+                    f"rows from the whole save before it. The checker's second save failed on rank 1 "
+                    f"(its files could not be written) after rank 0 had written its shards into the "
+                    f"same files, and the earlier .metadata still described them. "
+                    f"Usual mistake: {CATALOGUE.hint('saves_in_place')}."))
+            if close(got["model"], failed["model"], atol=0):
+                return Outcome(pg.rank, problem=(
+                    f"{where}, the model is the one of the checker's second save, which failed on "
+                    f"rank 1: a save that did not complete on every rank must not become the "
+                    f"checkpoint that loads. Usual mistake: {CATALOGUE.hint('saves_in_place')}."))
             names = [k for k in saved["model"] if not close(got["model"].get(k), saved["model"][k], atol=0)]
             return Outcome(pg.rank, problem=f"{where}, the model differs from the one saved in "
                                             f"{', '.join(names)} (it still has the new model's weights?)")
@@ -161,8 +271,14 @@ def _load_worker(shard, load_checkpoint, path: str, saved: dict) -> Outcome:
         return Outcome(pg.rank)
 
 
-def _coverage_problem(path: str, saved: dict) -> str:
-    """Why the checkpoint at ``path`` does not hold every element of the saved state, or ''."""
+def _newest_metadata(path: str) -> str:
+    """The folder under ``path`` (``path`` included) whose ``.metadata`` was written last, or ''."""
+    found = glob.glob(os.path.join(glob.escape(path), "**", ".metadata"), recursive=True)
+    return os.path.dirname(max(found, key=os.path.getmtime)) if found else ""
+
+
+def _coverage_problem(path: str) -> str:
+    """Why the checkpoint saved at ``path`` does not hold every element of the state, or ''."""
     # slow to import: see the note above _model
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -171,11 +287,15 @@ def _coverage_problem(path: str, saved: dict) -> str:
     if os.path.isfile(path):
         return (f"the checkpoint is one file ({os.path.basename(path)}), written by one rank: it holds "
                 f"that rank's shards only. Usual mistake: {rank0}.")
+    folder = _newest_metadata(path)
+    if not folder:
+        return ("no DCP checkpoint under the path given (no .metadata file in it or in a folder "
+                "inside it); save with torch.distributed.checkpoint.save(state, checkpoint_id=...) "
+                "on every rank")
     try:
-        meta = FileSystemReader(path).read_metadata()
-    except Exception as e:  # no .metadata: nothing or something else was written
-        return (f"no DCP checkpoint at the path given ({type(e).__name__}: {e}); save with "
-                f"torch.distributed.checkpoint.save(state, checkpoint_id=path) on every rank")
+        meta = FileSystemReader(folder).read_metadata()
+    except Exception as e:
+        return f"the checkpoint's .metadata in {folder} could not be read ({type(e).__name__}: {e})"
     tensors = {k: m for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     for key, m in tensors.items():
         total = math.prod(m.size)
@@ -189,21 +309,46 @@ def _coverage_problem(path: str, saved: dict) -> str:
     return ""
 
 
+def _save_hang(stacks: dict[int, str]) -> str | None:
+    """A hang in the save phase: the ranks that returned from save_checkpoint and those still in it."""
+    inside = sorted(r for r, s in stacks.items() if "_learner_save" in s)
+    out = sorted(r for r, s in stacks.items() if "_learner_save" not in s)
+    if not inside or not out:
+        return None
+    where = "\n".join(f"rank {r} was stuck here:\n{indent(learner_frames(stacks[r]) or '(no stack)')}"
+                      for r in inside)
+    return (f"your save hung: rank(s) {', '.join(map(str, out))} returned from save_checkpoint while "
+            f"rank(s) {', '.join(map(str, inside))} still waited inside it for the others, in a "
+            f"collective of dcp.save (it plans the save and gathers the metadata with every rank of "
+            f"the group).\n{where}\nUsual mistake: {CATALOGUE.hint('saves_on_rank_zero_only')}.")
+
+
+def _load_error(f) -> str | None:
+    """dcp.load's CheckpointException for keys that are not in the checkpoint: saved in another form."""
+    text = f"{f.message}\n{f.traceback}"
+    if f.exc_type != "CheckpointException" and "CheckpointException" not in text:
+        return None
+    if not any(s in text for s in ("Missing key", "missing key", "not found in checkpoint", "KeyError")):
+        return None
+    missing = re.findall(r"Missing key in checkpoint state_dict: (\w[\w.]*\w)", text)
+    shown = f" (the first: {missing[0]})" if missing else ""
+    return (f"rank {f.rank}: dcp.load raised CheckpointException: the checkpoint does not hold keys "
+            f"your load asks for{shown}. Usual mistake: {CATALOGUE.hint('optimizer_by_position')}.")
+
+
 @checker("12.b resharding")
 def check_resharding(shard, save_checkpoint, load_checkpoint, *, timeout: float = 60.0) -> None:
-    """Save on 2 ranks, load on 4, compare with the saved state; see the module docstring."""
+    """Save on 2 ranks (then a save that fails on rank 1), load on 4; see the module docstring."""
     require_callable(shard, "shard(model)")
     require_callable(save_checkpoint, "save_checkpoint(model, optimizer, path)")
     require_callable(load_checkpoint, "load_checkpoint(model, optimizer, path)")
     tmp = tempfile.mkdtemp(prefix="ch12b_")
     path = os.path.join(tmp, "checkpoint")
     try:
-        saved = judge(run_workers(_save_worker, SAVE_WORLD, args=(shard, save_checkpoint, path),
-                                  timeout=timeout), world=SAVE_WORLD)[0].data["saved"]
-        problem = _coverage_problem(path, saved)
-        if problem:
-            raise CheckFailed(f"saved on {SAVE_WORLD} ranks: {problem}")
-        judge(run_workers(_load_worker, LOAD_WORLD, args=(shard, load_checkpoint, path, saved),
-                          timeout=timeout), world=LOAD_WORLD)
+        outcomes = judge(run_workers(_save_worker, SAVE_WORLD, args=(shard, save_checkpoint, path),
+                                     timeout=timeout, explain_hang=_save_hang), world=SAVE_WORLD)
+        saved, failed = outcomes[0].data["saved"], outcomes[0].data["failed"]
+        judge(run_workers(_load_worker, LOAD_WORLD, args=(shard, load_checkpoint, path, saved, failed),
+                          timeout=timeout, explain_error=_load_error), world=LOAD_WORLD)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
