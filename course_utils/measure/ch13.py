@@ -1,7 +1,10 @@
 """Chapter 13's tools for a job that hangs: its flight records read per rank, and py-spy's stacks.
 
 - ``load_dumps(folder)`` reads the dumps a job left (``rank<N>.pkl``, each the pickle that
-  ``torch._C._distributed_c10d._dump_fr_trace()`` returns) into ``{rank: dump}``;
+  ``torch._C._distributed_c10d._dump_fr_trace()`` returns) into ``{rank: dump}``, as data only: the
+  pickle may build dicts, lists, tuples, strings and numbers, nothing that runs code (a file that
+  asks for anything else, or is not a regular file, too large, cut short or not a dump, is skipped
+  with a warning that names it, and the other ranks are kept);
 - ``collectives(dump)`` gives one rank's recorded collectives as rows (sequence id, operation,
   shapes, state, the learner's frame), ``print_records(dumps)`` prints the last ones of every rank;
 - ``py_spy_dump(pid)`` runs ``py-spy dump --pid`` on a live process and ``stuck_frame(stack)``
@@ -21,6 +24,7 @@ every rank), ``profiling_name`` (``"gloo:all_reduce"``), ``input_sizes``, ``stat
 from __future__ import annotations
 
 import dataclasses
+import io
 import pickle
 import re
 import shlex
@@ -28,12 +32,13 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Collective", "load_dumps", "collectives", "learner_frame", "print_records",
-           "py_spy_dump", "main_thread", "stuck_frame", "stacks_under_slurm", "PY_SPY"]
+__all__ = ["Collective", "DumpSkipped", "MAX_DUMP_BYTES", "load_dumps", "collectives", "learner_frame",
+           "print_records", "py_spy_dump", "main_thread", "stuck_frame", "stacks_under_slurm", "PY_SPY"]
 
 # py-spy installs one executable beside the interpreter (`.venv/bin/py-spy`).
 PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
@@ -55,15 +60,74 @@ class Collective:
     group: str        # the process group's name ("0" is the default group)
 
 
-def load_dumps(folder: str | Path) -> dict[int, dict]:
+# A dump of 2000 entries with their stacks is about 0.3 MB; a file far larger is not one.
+MAX_DUMP_BYTES = 64 * 2**20
+
+
+class DumpSkipped(UserWarning):
+    """A rank's dump file that ``load_dumps`` could not read; the warning names the file and why."""
+
+
+class _DataOnly(pickle.Unpickler):
+    """An unpickler that builds only what pickle makes without a name: dicts, lists, tuples, sets,
+    strings, bytes, numbers, None.  A pickle that names a class or a function (the only way a pickle
+    runs code) is refused before anything is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}: a flight-recorder dump holds plain "
+                                     "data only, so the file is not one (or was tampered with)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it refers to persistent objects: not a flight-recorder dump")
+
+
+def _read_dump(path: Path, max_bytes: int) -> dict:
+    """One rank's dump, or ValueError saying why the file is not one."""
+    st = path.stat()
+    if not path.is_file():
+        raise ValueError("not a regular file (a pipe, a folder or a device): not read")
+    if st.st_size == 0:
+        raise ValueError("the file is empty (the rank was killed while it wrote its dump?)")
+    if st.st_size > max_bytes:
+        raise ValueError(f"{st.st_size:,} bytes, more than a dump holds (limit {max_bytes:,}): not read")
+    try:
+        dump = _DataOnly(io.BytesIO(path.read_bytes())).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
+            AttributeError, MemoryError, OverflowError, UnicodeDecodeError) as e:
+        raise ValueError(f"not a readable pickle ({type(e).__name__}: {e}); cut short while written, "
+                         "or not a dump") from None
+    if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list) or \
+            not all(isinstance(e, dict) for e in dump["entries"]):
+        raise ValueError(f"it holds a {type(dump).__name__}, not a dump (a dict with a list of "
+                         "'entries', as _dump_fr_trace() writes)")
+    return dump
+
+
+def load_dumps(folder: str | Path, max_bytes: int = MAX_DUMP_BYTES) -> dict[int, dict]:
     """``{rank: dump}`` from the files ``rank<N>.pkl`` in ``folder`` (a rank without a file is
-    absent: it never dumped)."""
+    absent: it never dumped).
+
+    Read as data only (``_DataOnly``: no class or function a pickle names is ever looked up, so a
+    dump cannot run code).  A file that is not a dump is skipped with a ``DumpSkipped`` warning that
+    names it and says why; the other ranks are returned.  A folder that does not exist raises
+    ``FileNotFoundError`` naming it; one without any ``rank<N>.pkl`` warns.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no folder {str(folder)!r}: the dumps are read from the folder the job "
+                                "wrote them to (check its name)")
     out = {}
-    for path in Path(folder).glob("rank*.pkl"):
-        m = re.fullmatch(r"rank(\d+)\.pkl", path.name)
-        if m:
-            out[int(m.group(1))] = pickle.loads(path.read_bytes())
-    return dict(sorted(out.items()))
+    files = [(int(m.group(1)), p) for p in folder.glob("rank*.pkl")
+             if (m := re.fullmatch(r"rank(\d+)\.pkl", p.name))]
+    if not files:
+        warnings.warn(f"{folder}: no rank<N>.pkl file in it: no rank has dumped there", DumpSkipped,
+                      stacklevel=2)
+    for rank, path in sorted(files):
+        try:
+            out[rank] = _read_dump(path, max_bytes)
+        except (ValueError, OSError) as e:
+            warnings.warn(f"{path}: skipped, {e}", DumpSkipped, stacklevel=2)
+    return out
 
 
 def learner_frame(frames: list[Mapping[str, Any]]) -> str:

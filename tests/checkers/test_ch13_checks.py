@@ -4,7 +4,10 @@ its catalogue with its message; the recorded dumps are what the recording script
 from __future__ import annotations
 
 import collections
+import os
 import pickle
+import shutil
+import signal
 
 import pytest
 from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
@@ -14,6 +17,7 @@ from course_utils.checks import check_find_culprit
 from course_utils.checks.ch13 import a_find_culprit
 from course_utils.checks.ch13.a_find_culprit import FAILURES, load_recorded, reference_culprit
 from course_utils.measure.ch13 import (
+    DumpSkipped,
     collectives,
     learner_frame,
     load_dumps,
@@ -173,6 +177,18 @@ def compares_positions(dumps):
     return None
 
 
+def seq_id_off_by_one(dumps):
+    found = reference_culprit(dumps)
+    return None if found is None else dict(found, seq_id=found["seq_id"] - 1)  # the last one that agreed
+
+
+def blames_waiting_ranks(dumps):
+    found = reference_culprit(dumps)
+    if found and found["kind"] == "missing":
+        return dict(found, ranks=sorted(set(dumps) - set(found["ranks"])))
+    return found
+
+
 WRONG = {f.__name__: (f, message) for f, message in [
     (crashes_on_healthy, r"on a healthy job .*find_culprit raised TypeError"),
     (compares_last_entry, r"rank 2 called barrier\(\).*returned None"),
@@ -180,6 +196,8 @@ WRONG = {f.__name__: (f, message) for f, message in [
     (ignores_shapes, r"\(6, 2\) view.*returned None \(no culprit\), expected kind='shape', seq_id=10"),
     (fewer_entries_is_mismatch, r"rank 2 never arrived.*kind='collective'.*expected kind='missing'"),
     (compares_positions, r"8-entry buffer.*returned None"),
+    (seq_id_off_by_one, r"rank 2 called barrier\(\).*seq_id=9, ranks=\[2\], expected .*seq_id=10"),
+    (blames_waiting_ranks, r"rank 2 never arrived.*ranks=\[0, 1, 3\], expected .*ranks=\[2\]"),
 ]}
 
 
@@ -245,3 +263,101 @@ def test_load_dumps_reads_every_rank_file_and_nothing_else(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rank 2: 9 collective(s) recorded, the last 2:" in out
     assert "  12  all_reduce  1            scheduled  record_ch13_dumps.py:" in out
+
+
+def test_load_dumps_names_a_bad_rank_file_keeps_the_good_ranks_and_runs_no_code(tmp_path):
+    good = load_recorded("missing")
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}.pkl").write_bytes(pickle.dumps(good[rank]))
+    (tmp_path / "rank2.pkl").write_bytes(pickle.dumps(good[2])[:200])  # cut short
+    (tmp_path / "rank3.pkl").write_bytes(os.urandom(4096))
+    (tmp_path / "rank4.pkl").write_bytes(b"")
+    (tmp_path / "rank5.pkl").write_bytes(pickle.dumps([1, 2, 3]))
+    marker = tmp_path / "ran"
+    (tmp_path / "rank6.pkl").write_bytes(pickle.dumps(_Payload(str(marker))))  # would touch `marker`
+    os.mkfifo(tmp_path / "rank7.pkl")  # opened for reading, a pipe would block
+    with open(tmp_path / "rank8.pkl", "wb") as f:
+        f.truncate(200 * 2**20)  # huge (sparse)
+    with pytest.warns(DumpSkipped) as caught:
+        dumps = load_dumps(tmp_path)
+    assert list(dumps) == [0, 1]
+    said = "\n".join(str(w.message) for w in caught)
+    for rank, why in [(2, "not a readable pickle"), (3, "not a readable pickle"), (4, "empty"),
+                      (5, "holds a list, not a dump"), (6, "asks for"), (7, "not a regular file"),
+                      (8, "more than a dump holds")]:
+        assert f"rank{rank}.pkl: skipped, " in said and why in said, (rank, said)
+    assert not marker.exists()
+
+
+class _Payload:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_load_dumps_names_a_folder_that_does_not_exist(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no folder .*dumsp"):
+        load_dumps(tmp_path / "dumsp")
+    with pytest.warns(DumpSkipped, match="no rank<N>.pkl"):
+        assert load_dumps(tmp_path) == {}
+
+
+# ---- the checker is bounded, and the course's files are not the learner's fault ---------------------
+
+
+def loops_with_bare_except(dumps):
+    while True:
+        try:
+            sum(range(10**5))
+        except:  # noqa: E722 - the learner's habit under test: it catches everything
+            pass
+
+
+def ignores_sigalrm(dumps):
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    while True:
+        pass
+
+
+def cancels_the_timer(dumps):
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    while True:
+        pass
+
+
+@pytest.mark.parametrize("answer", [loops_with_bare_except, ignores_sigalrm, cancels_the_timer],
+                         ids=lambda f: f.__name__)
+def test_an_answer_that_never_returns_is_stopped_whatever_it_does_to_signals(answer):
+    with pytest.raises(CheckFailed, match=r"(?s)did not return within 4 s.*was here:.*in " + answer.__name__):
+        check_find_culprit(answer, timeout=4)
+
+
+def test_an_answer_that_exits_its_process_is_named():
+    with pytest.raises(CheckFailed, match="ended its process without returning"):
+        check_find_culprit(lambda dumps: os._exit(0))
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty", "truncated"])
+def test_damaged_recorded_dumps_name_the_file_not_the_learner(damage, tmp_path, monkeypatch):
+    folder = tmp_path / "dumps"
+    shutil.copytree(a_find_culprit.DUMPS, folder)
+    target = folder / "shape.json"
+    if damage == "missing":
+        target.unlink()
+    elif damage == "empty":
+        target.write_text("")
+    else:
+        target.write_text(target.read_text()[:1000])
+    monkeypatch.setattr(a_find_culprit, "DUMPS", folder)
+    a_find_culprit._recorded_json.cache_clear()
+    try:
+        with pytest.raises(CheckFailed) as e:
+            check_find_culprit(reference_culprit)
+    finally:
+        a_find_culprit._recorded_json.cache_clear()
+    message = str(e.value)
+    assert f"recorded dumps {target}" in message
+    assert "git checkout -- course_utils/checks/ch13/dumps/" in message
+    assert "your code raised" not in message and "Your code was not run" in message
