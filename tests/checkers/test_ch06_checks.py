@@ -23,6 +23,7 @@ from course_utils.checks.ch06 import a_launch_commands, b_resumable
 # --------------------------------------------------------------------------------------------
 
 HEAD = [sys.executable, "-m", "torch.distributed.run"]
+ENV = ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]  # a fresh workers' store for each attempt
 
 
 def _both(build):
@@ -34,7 +35,7 @@ def _both(build):
 
 @_both
 def commands_right(node, master_addr, port, job_id, script, script_args):
-    return HEAD + ["--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+    return ENV + HEAD + ["--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
                    f"--rdzv_endpoint={master_addr}:{port}", f"--rdzv_id={job_id}",
                    "--max-restarts=1", script, *script_args]
 
@@ -57,7 +58,8 @@ def commands_one_per_gpu(node, master_addr, port, job_id, script, script_args):
     """--nproc-per-node given as a device kind, which torchrun turns into the machine's GPU count:
     "gpu" on node0 and "auto" on node1, so that one run tries both."""
     kind = {"node0": "gpu", "node1": "auto"}[node]
-    return HEAD + ["--nnodes=2", f"--nproc-per-node={kind}", "--rdzv_backend=c10d",
+    env = ["/usr/bin/env", "OMP_NUM_THREADS=1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
+    return env + HEAD + ["--nnodes=2", f"--nproc-per-node={kind}", "--rdzv_backend=c10d",
                    f"--rdzv_endpoint={master_addr}:{port}", f"--rdzv_id={job_id}",
                    "--max-restarts=1", script, *script_args]
 
@@ -112,6 +114,22 @@ def commands_bare_torchrun(node, master_addr, port, job_id, script, script_args)
 
 
 @_both
+def commands_shared_store(node, master_addr, port, job_id, script, script_args):
+    """--max-restarts=1 alone: the restarted attempt would reuse node0's store (lesson 06, 5.1)."""
+    return HEAD + ["--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+                   f"--rdzv_endpoint={master_addr}:{port}", f"--rdzv_id={job_id}",
+                   "--max-restarts=1", script, *script_args]
+
+
+@_both
+def commands_share_store_off(node, master_addr, port, job_id, script, script_args):
+    return ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0"] + HEAD + [
+        "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={master_addr}:{port}", f"--rdzv_id={job_id}", "--max-restarts=1",
+        script, *script_args]
+
+
+@_both
 def commands_one_string(node, master_addr, port, job_id, script, script_args):
     return " ".join(HEAD + ["--nnodes=2", script])
 
@@ -128,6 +146,7 @@ def test_launch_commands_accepts_one_worker_per_gpu_and_runs_the_commands(capsys
     out = capsys.readouterr().out
     assert "--nproc_per_node=auto: one worker per GPU, 2 on each machine" in out  # the first, sorted
     assert "4 workers, RANK 0..3" in out
+    assert "rank 3 failed on purpose in the first attempt and the restarted job finished" in out
     assert "[PASS] 06.a launch commands" in out
 
 
@@ -137,7 +156,9 @@ def test_launch_commands_reads_gpu_and_auto_as_the_gpu_count_before_running_anyt
                                               ["--steps", "4"])
     for node in ("node0", "node1"):
         simulated = a_launch_commands._as_simulated(cmds[node], parsed[node], 2)
-        assert a_launch_commands._torchrun_parser().parse_args(simulated[3:]).nproc_per_node == "2"
+        env, command = a_launch_commands._environment(simulated)
+        assert env == {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        assert a_launch_commands._torchrun_parser().parse_args(command[3:]).nproc_per_node == "2"
         assert simulated[-3:] == ["probe.py", "--steps", "4"]
     # commands_right, the numeric form, is left as written
     right = commands_right("127.0.0.1", 29400, "job", "probe.py", ["--steps", "4"])
@@ -155,6 +176,7 @@ WRONG_A = {f.__name__: (f, message) for f, message in [
     (commands_localhost_everywhere, r"node1 has --rdzv_endpoint='localhost:29400'"),
     (commands_standalone, r"--standalone: that makes a private rendezvous"),
     (commands_no_restart, r"--max-restarts=0; the job must survive one failure"),
+    (commands_shared_store, r"node0 has --max-restarts=1, but a restarted attempt reuses node0's store"),
     (commands_args_before_script, r"unrecognized arguments: --steps.*go after the script's name"),
     (commands_bare_torchrun, r"starts with 'torchrun --nnodes=2 --nproc_per_node=2'"),
     (commands_one_string, r"is one string"),
@@ -171,10 +193,12 @@ def test_launch_commands_rejects_usual_mistakes(mistake, wrong):
 
 @pytest.mark.parametrize("wrong, message", [
     (commands_one_node, r"expected the keys \['node0', 'node1'\]"),
+    (commands_share_store_off, r"node0 has --max-restarts=1, but a restarted attempt reuses"),
     (lambda *a: None, r"expected a dict"),
     (None, r"got None"),
 ])
 def test_launch_commands_rejects_answers_of_the_wrong_shape(wrong, message):
+    """(and the store shared across attempts, switched on by name: the same mistake as leaving it)"""
     with pytest.raises(CheckFailed, match=message):
         check_launch_commands(wrong)
 

@@ -3,7 +3,8 @@
 ``check_launch_commands(make_commands)``: ``make_commands(master_addr, port, job_id, script,
 script_args)`` returns ``{"node0": argv, "node1": argv}``.  The arguments are first read with
 torchrun's own parser (fast, precise messages), then both commands run for real as two simulated
-nodes on this machine, and every worker's environment is compared with what the cluster needs.
+nodes on this machine, with one worker failing in the first attempt so that the restart is tried,
+and every worker's environment after the restart is compared with what the cluster needs.
 The simulated workers run ``_PROBE``, a script of their own under torchrun (not a checker's worker).
 """
 
@@ -82,6 +83,14 @@ CATALOGUE = Catalogue(
         "--max-restarts is not 1",
         "the job must survive one failure: --max-restarts=1"),
     Misconception(
+        "commands_shared_store",
+        "--max-restarts=1 is all a restart needs",
+        "with --max-restarts=1 the command does not set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        "a restarted attempt reuses node0's store, where the dead workers' addresses are still "
+        "published, and fails or hangs (lesson 06, section 5.1: 4 tries in 6). Let the command "
+        "carry its environment: start it with 'env', 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1' (a "
+        "variable set in this notebook would not travel to a cluster's machines)"),
+    Misconception(
         "commands_id_per_node",
         "each node needs its own rendezvous id",
         "the nodes' --rdzv_id differ",
@@ -101,10 +110,17 @@ GPUS_PER_NODE = 2
 ONE_PER_GPU = ("gpu", "auto")
 RUN_TIMEOUT = 90.0
 
-# What every simulated worker prints: its environment and the result of one all_reduce.
+# What every simulated worker prints: its environment and the result of one all_reduce. Global
+# rank 3 fails at once in the first attempt (the marker file says it has), so that the job must
+# survive one failure for real; only the workers of the attempt after it print.
 _PROBE = r'''
 import json, os, sys
 import torch, torch.distributed as dist
+marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "failed-once")
+if not os.path.exists(marker):
+    if os.environ["RANK"] == "3":
+        open(marker, "w").close()
+        sys.exit("rank 3 fails on purpose in the first attempt")
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(t)
@@ -112,7 +128,8 @@ keys = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
         "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")
 info = {k: os.environ.get(k) for k in keys}
 info["sum"] = t.item()
-sys.stdout.write("PROBE " + json.dumps(info) + "\n")  # one write: lines of two workers never mix
+if os.path.exists(marker):
+    sys.stdout.write("PROBE " + json.dumps(info) + "\n")  # one write: lines of two workers never mix
 sys.stdout.flush()
 dist.barrier()
 dist.destroy_process_group()
@@ -124,8 +141,20 @@ def _torchrun_parser():
     return get_args_parser()
 
 
+def _environment(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """``env NAME=VALUE ... program ...``: the variables it sets, and the command after them."""
+    if not argv or argv[0] not in ("env", "/usr/bin/env"):
+        return {}, argv
+    found, rest = {}, argv[1:]
+    while rest and "=" in rest[0] and not rest[0].startswith("-"):
+        name, _, value = rest.pop(0).partition("=")
+        found[name] = value
+    return found, rest
+
+
 def _parse(name: str, argv: Any, script: str) -> Any:
-    """torchrun's own reading of one node's command, or CheckFailed saying what is wrong."""
+    """torchrun's own reading of one node's command (with ``.env``, what an ``env`` prefix sets),
+    or CheckFailed saying what is wrong."""
     if argv is None:
         raise CheckFailed(f"the command for {name} is None (a missing `return`?)")
     if isinstance(argv, str):
@@ -134,7 +163,7 @@ def _parse(name: str, argv: Any, script: str) -> Any:
     if not isinstance(argv, (list, tuple)) or not all(isinstance(a, (str, int)) for a in argv):
         raise CheckFailed(f"the command for {name} must be a list of strings, got "
                           f"{type(argv).__name__}")
-    argv = [str(a) for a in argv]
+    env, argv = _environment([str(a) for a in argv])
     head = [sys.executable, "-m", "torch.distributed.run"]
     if argv[:3] != head:
         raise CheckFailed(
@@ -153,6 +182,7 @@ def _parse(name: str, argv: Any, script: str) -> Any:
         raise CheckFailed(
             f"{name} runs {args.training_script!r} as the training script; expected the "
             f"`script` argument ({script!r}) after all of torchrun's options")
+    args.env = env
     return args
 
 
@@ -198,6 +228,9 @@ def _static_checks(cmds: Any, master_addr: str, port: int, job_id: str, script: 
     if ids["node0"] != job_id:
         raise CheckFailed(f"--rdzv_id is {ids['node0']!r}; use the job id given ({job_id!r}), "
                           "so that two jobs on the same machines never join each other")
+    for n, a in parsed.items():
+        if a.env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+            raise CheckFailed(f"{n} has --max-restarts=1, but {_hint('commands_shared_store')}")
     return parsed
 
 
@@ -235,6 +268,7 @@ def check_launch_commands(make_commands: Callable[..., dict]) -> None:
         results = run_commands({n: _as_simulated(cmds[n], parsed[n], len(args)) for n in NODES},
                                timeout=RUN_TIMEOUT, echo=False, cwd=tmp,
                                env={"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"})
+        failed_once = os.path.exists(os.path.join(tmp, "failed-once"))
     for r in results:
         if not r.ok:
             why = "timed out" if r.timed_out else f"exited with code {r.returncode}"
@@ -244,6 +278,8 @@ def check_launch_commands(make_commands: Callable[..., dict]) -> None:
     for r in results:
         seen[r.name] = [json.loads(line[6:]) for line in r.output.splitlines()
                         if line.startswith("PROBE ")]
+    if not failed_once:
+        raise CheckFailed("checker bug: the first attempt's rank 3 never failed, so no restart was tried")
     workers = [w for ws in seen.values() for w in ws]
     if sorted(int(w["RANK"]) for w in workers) != [0, 1, 2, 3]:
         raise CheckFailed(f"expected 4 workers with RANK 0..3, got ranks "
@@ -265,5 +301,5 @@ def check_launch_commands(make_commands: Callable[..., dict]) -> None:
                                   "expected 0+1+2+3 = 6")
     if len({ws[0]["GROUP_RANK"] for ws in seen.values()}) != 2:
         raise CheckFailed("both nodes got the same node rank")
-    print("  both nodes met in one rendezvous: 4 workers, RANK 0..3, WORLD_SIZE 4, "
-          "2 per node, one restart allowed")
+    print("  both nodes met in one rendezvous: 4 workers, RANK 0..3, WORLD_SIZE 4, 2 per node; "
+          "rank 3 failed on purpose in the first attempt and the restarted job finished")
