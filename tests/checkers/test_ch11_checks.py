@@ -235,6 +235,17 @@ class RowUnderNoGrad(nn.Module):
             return y + self.bias
 
 
+def column_under_no_grad():
+    """The whole column layer under no_grad, "since its forward needs no communication"."""
+
+    class Column(tp_layers()[0]):
+        def forward(self, x):
+            with torch.no_grad():
+                return super().forward(x)
+
+    return Column
+
+
 @pytest.mark.parametrize(("answer", "observed"), [
     (lambda: tp_layers(f=AveragingCopy.apply), r"input.grad is exactly 1/2 of nn.Linear's"),
     (lambda: tp_layers(g=AveragingReduce.apply), r"the output is exactly 1/2 of the summed partial"),
@@ -245,8 +256,9 @@ class RowUnderNoGrad(nn.Module):
     (lambda: tp_layers(f=NoComm.apply), r"through this rank's own 8 output features"),
     (lambda: tp_layers(g=sum_of_detached), r"RowParallelLinear.weight got no gradient"),
     (lambda: (tp_layers()[0], RowUnderNoGrad), r"RowParallelLinear's output does not require grad"),
+    (lambda: (column_under_no_grad(), tp_layers()[1]), r"ColumnParallelLinear.s output does not require"),
 ], ids=["avg_input_grad", "avg_output", "bias_rank0", "bias_divided", "bias_every_rank", "both_passes",
-        "no_input_all_reduce", "detached_sum", "forward_under_no_grad"])
+        "no_input_all_reduce", "detached_sum", "row_under_no_grad", "column_under_no_grad"])
 def test_tp_linears_says_what_it_observed(answer, observed):
     """Each verdict quotes what the checker saw: a factor of exactly 1/N or N, which rank's bias has no
     gradient, an output that is not attached to autograd."""

@@ -254,7 +254,11 @@ def _column(Column: type, rank: int, world: int, device: torch.device) -> str:
                     "row-parallel layer that follows takes exactly that slice")
         return f"ColumnParallelLinear's output has shape {tuple(y.shape)}, expected {want_shape}"
     if not y.requires_grad:
-        return _unattached("ColumnParallelLinear", y, comm)
+        return (f"ColumnParallelLinear's output does not require grad (it has no grad_fn; "
+                f"{_describe(comm)}): its forward ran under torch.no_grad or on detached tensors, so "
+                "backward cannot reach its weight, its bias or its input; only the communication "
+                "belongs in an autograd function, the F.linear on this rank's parameters stays in "
+                "autograd's sight")
     fwd, bwd = comm["forward"], comm["backward"]
     own_part = w[..., rows] @ full.weight.detach()[rows]  # the input's gradient through this rank's rows
     expected = {"output": ref(x)[..., rows], "weight.grad": ref.weight.grad[rows],
