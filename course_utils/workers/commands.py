@@ -10,6 +10,7 @@ import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from typing import Any
 import psutil
 
 from .errors import indent
+from .keeper import STOP_GRACE
 from .lines import LineSplitter
 from .netns import PrivateNetwork
 
@@ -55,6 +57,11 @@ class CommandFailed(RuntimeError):
 
 
 PR_SET_PDEATHSIG = 1
+_DRAIN = 2.0  # seconds the output of a command may go on arriving after its keeper exited
+_SCRATCH = "course-commands-"  # then the caller's pid: a folder whose owner died is swept away
+# The keeper runs in a Python started with -I -S (a tenth of a second): it imports only this package.
+_KEEPER = ("import sys; sys.path.insert(0, {root!r}); "
+           "from course_utils.workers.keeper import main; main()")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -99,15 +106,20 @@ def run_commands(
 ) -> list[CommandResult]:
     """Run one or several commands at once (say two ``torchrun`` agents), streaming their output.
 
-    Each output line is printed prefixed with the command's name (``[node0] ...``).  After
-    ``timeout`` seconds, or on KeyboardInterrupt, every command *and every process it started*
-    (torchrun puts its workers in sessions of their own) gets SIGTERM, then SIGKILL.  If the
-    notebook kernel dies, each command receives SIGTERM (``PR_SET_PDEATHSIG``), which torchrun
-    forwards to its workers.  ``env`` adds variables to the current environment.  ``stagger``
-    waits that many seconds between starts (to show, say, that rendezvous waits for everyone).
+    Each output line is printed prefixed with the command's name (``[node0] ...``).  Every process
+    a command starts ends with the command, the call or the kernel, whatever it does with its
+    session or its signals: each command runs under a keeper (``keeper.py``, a child subreaper, so
+    a daemon that forked and called ``setsid`` stays below it) that, when the command exits, ends
+    what it left running (torchrun's workers whose agent was SIGKILLed, a daemon) and returns; after
+    ``timeout`` seconds, or on KeyboardInterrupt, it gets SIGTERM and ends the command and all it
+    started (SIGTERM, 3 s, SIGKILL); when the notebook's kernel dies, even by SIGKILL, each keeper
+    does the same by itself (its death signal).  ``env`` adds variables to the current environment.
+    ``stagger`` waits that many seconds between starts (to show, say, that rendezvous waits for everyone).
 
     The commands get a temporary folder of their own (``TMPDIR``, unless ``env`` sets it), removed
     when they are done: torchrun's log folders and whatever a killed process leaves there go with it.
+    When the caller was SIGKILLed, the keepers remove it, and the next call sweeps any folder whose
+    owner died.
 
     ``network="private"`` (the default) runs all the commands of the call in one network namespace
     of their own whose only interface is loopback (``course_utils.workers.netns``): they reach each
@@ -120,15 +132,15 @@ def run_commands(
         raise ValueError(f'run_commands(network=...) is "private" or "host", got {network!r}')
     if not isinstance(commands, dict):
         commands = {f"cmd{i}": c for i, c in enumerate(commands)}
-    scratch = tempfile.mkdtemp(prefix="course-commands-")
+    _sweep_stale_scratch()
+    scratch = tempfile.mkdtemp(prefix=f"{_SCRATCH}{os.getpid()}-")
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=scratch)
     if env:
         full_env.update({k: str(v) for k, v in env.items()})
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, subprocess.Popen] = {}  # each command's keeper
     outputs: dict[str, list[str]] = {n: [] for n in commands}
     splitters = {n: LineSplitter() for n in commands}
     sel = selectors.DefaultSelector()
-    timed_out = False
     still_running: set[str] = set()
 
     def emit(name: str, lines: list[str]) -> None:
@@ -145,38 +157,35 @@ def run_commands(
         for i, (name, cmd) in enumerate(commands.items()):
             if i and stagger:
                 time.sleep(stagger)
-            p = subprocess.Popen(
-                [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=full_env, cwd=cwd, start_new_session=True,
-                preexec_fn=_child_setup(private),
-            )
-            procs[name] = p
-            sel.register(p.stdout, selectors.EVENT_READ, name)
+            procs[name] = _start_keeper(name, [str(c) for c in cmd], scratch, full_env, cwd, private, sel)
         deadline = time.monotonic() + timeout
-        while sel.get_map():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = True
+        ended: dict[str, float] = {}  # when each keeper exited: it ended its tree first
+        while len(ended) < len(procs) or sel.get_map():
+            now = time.monotonic()
+            if now >= deadline:
                 break
-            for key, _ in sel.select(timeout=min(remaining, 0.2)):
+            for key, _ in sel.select(timeout=min(deadline - now, 0.2)):
                 name = key.data
                 data = os.read(key.fd, 65536)
                 if data:
                     emit(name, splitters[name].feed(data))
                 else:
-                    sel.unregister(key.fileobj)
+                    _close_output(sel, key.fd)
                     emit(name, splitters[name].flush())
-        if not timed_out:
-            for p in procs.values():
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        timed_out = True
+            for name, p in procs.items():
+                if name not in ended and p.poll() is not None:
+                    ended[name] = time.monotonic()
+            for key in list(sel.get_map().values()):
+                # The keeper ended everything its command started, so the pipe closes at once; a
+                # process outside the tree that was handed the pipe must not hold the call.
+                if key.data in ended and time.monotonic() - ended[key.data] > _DRAIN:
+                    _close_output(sel, key.fd)
+                    emit(key.data, splitters[key.data].flush())
     finally:
         still_running = {n for n, p in procs.items() if p.poll() is None}
-        terminate_trees(list(procs.values()))
-        for p in procs.values():
-            if p.stdout:
-                p.stdout.close()
+        _stop_keepers(list(procs.values()))
+        for key in list(sel.get_map().values()):
+            _close_output(sel, key.fd)
         sel.close()
         if private is not None:
             private.close()
@@ -193,6 +202,63 @@ def run_commands(
     if check and any(not r.ok for r in results):
         raise CommandFailed(results)
     return results
+
+
+def _start_keeper(name: str, cmd: list[str], scratch: str, env: dict[str, str], cwd: str | None,
+                  private: PrivateNetwork | None, sel: selectors.BaseSelector) -> subprocess.Popen:
+    """Start ``cmd`` under its keeper (``keeper.py``), its output on a pipe registered in ``sel``."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    read_end, write_end = os.pipe()
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _KEEPER.format(root=root), str(os.getpid()), scratch,
+             "--", *cmd],
+            stdin=subprocess.PIPE, stdout=write_end, stderr=write_end, env=env, cwd=cwd,
+            start_new_session=True, preexec_fn=_child_setup(private))
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+    sel.register(read_end, selectors.EVENT_READ, name)
+    return p
+
+
+def _close_output(sel: selectors.BaseSelector, fd: int) -> None:
+    sel.unregister(fd)
+    os.close(fd)
+
+
+def _stop_keepers(keepers: list[subprocess.Popen]) -> None:
+    """SIGTERM the keepers still running (each ends its command's whole tree, then exits); a keeper
+    that does not exit in time is killed with whatever is below it."""
+    for p in keepers:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + STOP_GRACE + 5
+    for p in keepers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+    stuck = [p for p in keepers if p.poll() is None]
+    if stuck:
+        terminate_trees(stuck, grace=0.5)
+    for p in keepers:
+        with contextlib.suppress(Exception):
+            p.stdin.close()  # type: ignore[union-attr]
+
+
+def _sweep_stale_scratch() -> None:
+    """Remove the scratch folders of callers that died (SIGKILLed before their keepers could)."""
+    me = os.getuid()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tempfile.gettempdir()):
+            owner = entry.name[len(_SCRATCH):].split("-", 1)[0]
+            if not (entry.name.startswith(_SCRATCH) and owner.isdigit()):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid == me and not psutil.pid_exists(int(owner)):
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def terminate_trees(procs: list[Any], grace: float = 3.0) -> None:
