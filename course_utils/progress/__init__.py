@@ -15,8 +15,9 @@ exercise notebook, does not undo it; the "last" column shows it); *failed* when 
 never passed.
 
 Several kernels may run checkers at the same time: each update takes an exclusive lock
-(``fcntl.flock`` on ``progress.json.lock``), reads the file, changes it and replaces it atomically
-(a temporary file and ``os.replace``), so no update is lost and no reader sees half a file.
+(``fcntl.flock`` on the folder holding the file, which nothing deletes meanwhile), reads the file,
+changes it and replaces it atomically (a temporary file and ``os.replace``), so no update is lost
+and no reader sees half a file.
 A corrupt file (not JSON, not text, nested too deeply, over 5 MiB) is kept aside as
 ``progress.json.corrupt-<time>`` and rebuilt, with a warning; something that is not a regular file
 (a FIFO, a folder) is never opened, only named in a warning; a missing folder is created; nothing

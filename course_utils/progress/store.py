@@ -2,10 +2,12 @@
 
 The file is ``{"schema": 1, "exercises": {name: entry}}``, one entry per exercise tried (tries,
 passes, the last result, when it was first tried, last tried and first passed).  Every update
-takes an exclusive lock (``fcntl.flock`` on ``progress.json.lock``), reads the file, changes it and
-replaces it atomically (a temporary file and ``os.replace``): several kernels may record at the
-same time, no update is lost and no reader sees half a file.  A damaged file (not JSON, not text,
-nested too deeply, larger than ``MAX_FILE_BYTES``) is set aside and rebuilt; something that is not
+takes an exclusive lock (``fcntl.flock`` on the folder holding the file, which nothing can delete
+while the file is in it; a lock file deleted or replaced meanwhile let two writers in at once),
+reads the file, changes it and replaces it atomically (a temporary file and ``os.replace``):
+several kernels may record at the same time, no update is lost and no reader sees half a file.
+A damaged file (not JSON, not text, nested too deeply, larger than ``MAX_FILE_BYTES``) is set aside
+and rebuilt; something that is not
 a regular file (a FIFO, a folder, a device) is never opened, only named in a warning; nothing
 here ever raises into a checker.
 """
@@ -223,33 +225,105 @@ def load(path: Path | str | None = None, *, quiet: bool = False) -> dict:
     return data
 
 
+def _marker(path: Path) -> Path:
+    """``progress.json.lock``: written once a result was recorded here, so that a progress file
+    that later goes missing is reported as such (the name is older than the folder lock)."""
+    return path.with_name(path.name + ".lock")
+
+
+def _lock_fd(path: Path) -> int:
+    """What to lock: the folder holding the file (a folder cannot be deleted while it holds it, so
+    every writer locks the same thing, whatever else deletes or replaces); where a folder cannot be
+    locked (some network file systems), the marker file, which is then checked after each lock."""
+    return os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise
+        return False
+
+
+def _lock_marker(path: Path, deadline: float) -> int | None:
+    """The fallback: flock the marker file, and keep the lock only if the marker still is the file
+    locked (one deleted or replaced meanwhile would let two writers in at once)."""
+    marker = _marker(path)
+    while True:
+        fd = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, f"its marker {marker.name} is not a regular file")
+            if _try_lock(fd):
+                with contextlib.suppress(FileNotFoundError):
+                    if os.stat(marker).st_ino == os.fstat(fd).st_ino:
+                        return fd
+                continue  # finally closes it, which also unlocks it
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _lock_folder(path: Path, deadline: float) -> int | None:
+    """flock the folder holding ``path``: its fd, or None when the time ran out; OSError where the
+    folder cannot be locked (some network file systems; a folder that cannot be read)."""
+    fd = _lock_fd(path)
+    try:
+        while not _try_lock(fd):
+            if time.monotonic() > deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.01)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[bool]:
-    """Hold an exclusive lock on ``<path>.lock``; yields False if it could not be had in time."""
-
-    lock_path = path.with_name(path.name + ".lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    """Hold an exclusive lock for ``path``'s updates; yields False if it could not be had in time."""
+    deadline = time.monotonic() + LOCK_TIMEOUT_S
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"its lock {lock_path.name} is not a regular file")
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise
-                if time.monotonic() > deadline:
-                    yield False
-                    return
-                time.sleep(0.01)
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        fd = _lock_folder(path, deadline)
+    except OSError:
+        fd = _lock_marker(path, deadline)
+    if fd is None:
+        yield False
+        return
+    try:
+        yield True
     finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _marked(path: Path) -> bool:
+    try:
+        st = os.lstat(_marker(path))
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size > 0
+
+
+def _mark(path: Path) -> None:
+    """Write the marker once (see ``_marker``); whatever happens to it, the result is recorded."""
+    with contextlib.suppress(OSError):
+        fd = os.open(_marker(path), os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o644)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+                os.write(fd, b"progress.json lock\n")
+        finally:
+            os.close(fd)
 
 
 def _atomic_write(path: Path, data: dict) -> None:
@@ -286,8 +360,8 @@ def _read_for_update(path: Path, exercise: str) -> dict | None:
     try:
         data, problem = _read_text(path)
     except FileNotFoundError:
-        # The lock file is created by the first recorded result: if it exists, so did the file.
-        if path.with_name(path.name + ".lock").stat().st_size > 0:
+        # The marker is written by the first recorded result: if it exists, so did the file.
+        if _marked(path):
             _warn(f"the progress file {path} was missing; starting a new one")
         return empty()
     except Refused as e:
@@ -339,10 +413,7 @@ def record(exercise: str, passed: bool, *, path: Path | str | None = None) -> No
                 entry["passes"] += 1
                 entry["first_passed"] = entry.get("first_passed") or now
             _atomic_write(path, data)
-            # mark the lock file: a progress file existed here (see _read_for_update)
-            lock = path.with_name(path.name + ".lock")
-            if lock.stat().st_size == 0:
-                lock.write_text("progress.json lock\n")
+        _mark(path)
     except OSError as e:
         _warn(f"could not record the result of {exercise} in {path}: {e}")
     except Exception as e:  # a checker's result never fails, nor vanishes without a word

@@ -226,9 +226,9 @@ def test_a_held_lock_does_not_hang_a_checker(pfile, monkeypatch):
 
     pfile.parent.mkdir(parents=True)
     monkeypatch.setattr(progress.store, "LOCK_TIMEOUT_S", 0.3)
-    fd = os.open(str(pfile) + ".lock", os.O_RDWR | os.O_CREAT)
+    fd = os.open(pfile.parent, os.O_RDONLY | os.O_DIRECTORY)  # what a writer locks: the folder
     try:
-        # flock locks belong to the open file: another open of the same file conflicts
+        # flock locks belong to the open file: another open of the same folder conflicts
         fcntl.flock(fd, fcntl.LOCK_EX)
         with pytest.warns(progress.ProgressWarning, match="stayed locked"):
             progress.record("01.a training step", True)
