@@ -1,11 +1,13 @@
 """The course as a learner sees it: JupyterLab in a real (headless) Chromium.
 
 JupyterLab is started on a free port from a temporary copy of chapter 01 and of a small notebook
-whose workers report progress for a few seconds.  The browser opens chapter 01 (it must render
-with its committed outputs and start its kernel), then opens the progress notebook and runs all
-its cells from the Run menu, and checks what the learner sees: the live progress widgets while
-the workers run, then the static summary and the final figure in their place, and no error in any
-cell.  Everything it started (server, kernels, browser, temporary folders) is stopped at the end.
+whose workers report progress for a few seconds, then run chapter 04's training script
+(``ch04_train.main``, as lesson 04 does).  The browser opens chapter 01 (it must render with its
+committed outputs and start its kernel), then opens the progress notebook and runs all its cells
+from the Run menu, and checks what the learner sees: the live progress widgets while the workers
+run (chapter 04's training among them, with its epochs), then the static summary and the final
+figure in their place, and no error in any cell.
+Everything it started (server, kernels, browser, temporary folders) is stopped at the end.
 
 Needs Debian's ``chromium`` (``.ci/run`` installs it with apt when it runs as root) and the
 ``playwright`` package, which drives that browser; Playwright's own browser download is never
@@ -45,7 +47,7 @@ KERNEL_IDLE_JS = ("() => [...document.querySelectorAll('.jp-NotebookPanel:not(.l
 # and whether a metrics line named a step.
 WATCH_WIDGETS_JS = """() => {
   window.__seenBars = 0;
-  window.__seen = {bars: 0, header: "", steps: false};
+  window.__seen = {bars: 0, header: "", steps: false, epochs: false};
   const look = () => {
     const bars = document.querySelectorAll('.jp-OutputArea .widget-hprogress').length;
     window.__seenBars = Math.max(window.__seenBars, bars);
@@ -54,6 +56,7 @@ WATCH_WIDGETS_JS = """() => {
       const t = h.innerText || "";
       if (t.includes("running")) window.__seen.header = t;
       if (/step \\d+/.test(t)) window.__seen.steps = true;
+      if (/epoch[ =:]\\d+/.test(t)) window.__seen.epochs = true;  // chapter 04's training, live
     }
   };
   new MutationObserver(look).observe(document.body, {subtree: true, childList: true, characterData: true});
@@ -73,6 +76,11 @@ PROGRESS_NOTEBOOK_CELLS = [
 
 
 course_utils.launch(train, nprocs=2, timeout=120)''',
+    # Lesson 04's training cell, smaller: two epochs of 128 steps.
+    '''import ch04_train
+
+course_utils.launch(ch04_train.main, nprocs=2, args=(["--epochs", "2", "--samples", "16384"],),
+                    timeout=120)''',
     'print("every cell ran")',
 ]
 
@@ -162,6 +170,7 @@ def test_learner_view_in_chromium(no_leftover_processes):
         course.mkdir()
         home.mkdir()
         shutil.copy(ROOT / "notebooks" / "01_single_device.ipynb", course)
+        shutil.copy(ROOT / "notebooks" / "ch04_train.py", course)
         (course / "progress_demo.ipynb").write_text(json.dumps(_progress_notebook()))
         with jupyterlab(course, home) as (base, token, remember_kernels), sync_api.sync_playwright() as pw:
             ctx = pw.chromium.launch_persistent_context(
@@ -195,11 +204,12 @@ def test_learner_view_in_chromium(no_leftover_processes):
                 launch_cell = nb.locator(".jp-Cell").nth(1)
                 page.wait_for_function("() => window.__seenBars >= 2")  # one bar per rank
                 remember_kernels()
-                last_output = nb.locator(".jp-Cell").nth(2).locator(".jp-OutputArea-output")
+                last_output = nb.locator(".jp-Cell").nth(3).locator(".jp-OutputArea-output")
                 last_output.filter(has_text="every cell ran").wait_for(timeout=120_000)
                 seen = page.evaluate("() => window.__seen")
                 assert seen["bars"] >= 2 and "2 ranks" in seen["header"] and "running" in seen["header"], seen
                 assert seen["steps"], seen  # a metrics line showed the steps while the workers ran
+                assert seen["epochs"], seen  # chapter 04's training was visible while it ran
                 # Then the static summary (in place of the widgets) and the final figure.
                 summary = launch_cell.locator(".jp-OutputArea-output table")
                 assert summary.count() == 1, launch_cell.inner_text()
