@@ -6,6 +6,7 @@ import math
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -267,6 +268,73 @@ def receives_first(stage, inputs, targets, loss_fn, n_micro, act_shape):
     return total if rank == world - 1 else None
 
 
+def _gpipe(stage, inputs, targets, loss_fn, n_micro, act_shape, *, cut="chunk", mark=True, reuse=False,
+           orders=("reversed", "reversed"), zero_grad=False, grad_op="recv"):
+    """The right answer with one habit changed at a time (the keywords), as a learner might write it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first, last = rank == 0, rank == world - 1
+    dev = next(stage.parameters()).device
+    xs = getattr(inputs, cut)(n_micro) if first else None
+    ys = targets.chunk(n_micro) if last else None
+    saved, total, buf = [], 0.0, torch.empty(act_shape, device=dev)
+    for i in range(n_micro):
+        if first:
+            x = xs[i]
+        else:
+            x = buf if reuse else torch.empty(act_shape, device=dev)
+            dist.recv(x, src=rank - 1)
+            if mark:
+                x.requires_grad_()
+        out = stage(x)
+        if last:
+            out = loss_fn(out, ys[i]) / n_micro
+            total += out.item()
+        else:
+            dist.send(out.detach(), dst=rank + 1)
+        saved.append((x, out))
+    order = orders[1] if last else orders[0]
+    for x, out in (reversed(saved) if order == "reversed" else saved):
+        if zero_grad:
+            stage.zero_grad()
+        if last:
+            out.backward()
+        else:
+            grad = torch.empty_like(out)
+            getattr(dist, grad_op)(grad, rank + 1)
+            out.backward(grad)
+        if not first:
+            dist.send(x.grad, dst=rank - 1)
+    return total if last else None
+
+
+def split_instead_of_chunk(*args):
+    return _gpipe(*args, cut="split")
+
+
+def received_without_requires_grad(*args):
+    return _gpipe(*args, mark=False)
+
+
+def one_receive_buffer(*args):
+    return _gpipe(*args, reuse=True)
+
+
+def last_stage_in_forward_order(*args):
+    return _gpipe(*args, orders=("reversed", "forward"))
+
+
+def zero_grad_per_micro_batch(*args):
+    return _gpipe(*args, zero_grad=True)
+
+
+def sends_where_it_should_receive(*args):
+    return _gpipe(*args, grad_op="send")
+
+
+def exits_the_process(stage, inputs, targets, loss_fn, n_micro, act_shape):
+    os._exit(0)
+
+
 def stub(stage, inputs, targets, loss_fn, n_micro, act_shape):
     raise NotImplementedError("Exercise 12.a GPipe schedule: fill in gpipe_step")
 
@@ -283,15 +351,28 @@ WRONG_A = {
     "no_gradients_returned": autograd_across_send,
     "no_saved_activations": keeps_last_only,
     "receive_order_deadlock": receives_first,
+    "split_not_chunk": split_instead_of_chunk,
+    "input_not_requiring_grad": received_without_requires_grad,
+    "reused_receive_buffer": one_receive_buffer,
+    "backward_order_mismatch": last_stage_in_forward_order,
+    "zero_grad_between_micro_batches": zero_grad_per_micro_batch,
+    "both_ranks_send": sends_where_it_should_receive,
 }
 
 
 @pytest.mark.parametrize(("entry", "answer"), cases(a_gpipe.CATALOGUE, WRONG_A))
 def test_gpipe_names_each_misconception(entry, answer):
-    timeout = 8.0 if entry.key == "receive_order_deadlock" else a_gpipe.TIMEOUT
+    timeout = 8.0 if entry.key in ("receive_order_deadlock", "both_ranks_send") else a_gpipe.TIMEOUT
     with pytest.raises(CheckFailed) as e:
         check_gpipe(answer, timeout=timeout)
     assert entry.message in str(e.value), str(e.value)
+
+
+def test_gpipe_names_a_process_that_exits_instead_of_a_checker_bug():
+    with pytest.raises(CheckFailed) as e:
+        check_gpipe(exits_the_process)
+    assert "ended the process without returning from gpipe_step" in str(e.value), str(e.value)
+    assert "checker bug" not in str(e.value)
 
 
 def test_gpipe_stub_is_not_done_yet():
@@ -344,11 +425,28 @@ def divide_by_world(shapes, mesh_shape):
     return {"params": shard, "grads": shard, "optimizer": 2 * shard}
 
 
+def rank_bytes_numpy(shapes, mesh_shape):
+    """numpy arithmetic: the numbers are numpy.int64."""
+    shards = np.int64(mesh_shape[-1])
+    n = sum(-(-np.int64(s[0]) // shards) * np.prod(s[1:], dtype=np.int64) for s in shapes)
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+
+
+def bf16_bytes(shapes, mesh_shape):
+    n = sum(_shard_numel(s, mesh_shape[-1]) for s in shapes)
+    return {"params": 2 * n, "grads": 2 * n, "optimizer": 4 * n}
+
+
+def divide_by_first_dim(shapes, mesh_shape):
+    n = sum(_shard_numel(s, mesh_shape[0]) for s in shapes)
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+
+
 def memory_stub(shapes, mesh_shape):
     raise NotImplementedError("Exercise 12.c per-rank memory: fill in predict_rank_bytes")
 
 
-@pytest.mark.parametrize("answer", [rank_bytes_exact, rank_bytes_mean])
+@pytest.mark.parametrize("answer", [rank_bytes_exact, rank_bytes_mean, rank_bytes_numpy])
 def test_memory_correct_answers_pass(answer, capsys):
     check_rank_memory(answer)
     assert "[PASS] 12.c" in capsys.readouterr().out
@@ -359,6 +457,8 @@ WRONG_C = {
     "grads_unsharded": grads_whole,
     "one_optimizer_state": one_state,
     "replicas_also_shard": divide_by_world,
+    "two_bytes_per_number": bf16_bytes,
+    "shards_over_replicas": divide_by_first_dim,
 }
 
 

@@ -6,7 +6,7 @@
 - ``check_resharding(shard, save_checkpoint, load_checkpoint)`` (12.b, ``b_resharding.py``): an
   FSDP2 model and its AdamW state saved with DCP on 2 ranks and loaded into 4, against the saved state.
 - ``check_rank_memory(predict_rank_bytes)`` (12.c, ``c_memory.py``): rank 0's parameter, gradient
-  and optimizer bytes of an FSDP2 job at 64 and 256 ranks (and HSDP 8 x 8), predicted from the
+  and optimizer bytes of an FSDP2 job at 64 and 256 ranks (and HSDP 8 x 8 and 4 x 16), predicted from the
   shapes and compared with the fake backend's simulation.
 
 Each exercise's module declares its ``CATALOGUE`` of misconceptions; ``tests/checkers/test_ch12_checks.py``

@@ -21,6 +21,8 @@ reference gradients.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,13 +30,13 @@ from torch import nn
 from ...checking import (
     Call,
     Catalogue,
+    CheckFailed,
     CollectiveSpy,
     Misconception,
     Outcome,
     checker,
     diff_table,
     format_table,
-    judge,
     learner_frames,
     process_group,
     require_callable,
@@ -72,6 +74,53 @@ CATALOGUE = Catalogue(
         "backward through a freed graph (or a tensor without grad_fn), or a forward count that is off",
         "keep every micro-batch's input and output on each stage until its backward "
         "(a list indexed by micro-batch, not one variable overwritten in the loop)",
+    ),
+    Misconception(
+        "split_not_chunk",
+        "inputs.split(n_micro) cuts the batch into n_micro micro-batches",
+        "stage 0 sends a tensor of n_micro rows where the receiver's buffer is act_shape",
+        "split(k) makes pieces of k rows, chunk(k) makes k pieces: cut the batch with "
+        "inputs.chunk(n_micro) (or torch.tensor_split(inputs, n_micro))",
+    ),
+    Misconception(
+        "input_not_requiring_grad",
+        "autograd fills in the gradient of any tensor the stage ran on",
+        "a stage sends None back (x.grad of a received tensor that never required a gradient)",
+        "call x.requires_grad_() on each received activation before the stage runs on it: "
+        "autograd computes .grad only for tensors that require it",
+    ),
+    Misconception(
+        "reused_receive_buffer",
+        "one receive buffer can serve every micro-batch",
+        "the activations from the previous stage were received into the same tensor each time, "
+        "and the gradients differ",
+        "each micro-batch's received activation must live until its backward: allocate a new "
+        "buffer for every recv (torch.empty(act_shape) inside the loop); a reused one is "
+        "overwritten by the next micro-batch, and so is the input its graph saved",
+    ),
+    Misconception(
+        "backward_order_mismatch",
+        "each stage may run its backwards in whatever order it likes",
+        "two neighbouring stages ran their micro-batches' backwards in different orders",
+        "messages between two ranks arrive in the order they were sent: stage r receives the "
+        "gradients in the order stage r+1 runs its backwards, so every stage must take the "
+        "micro-batches in the same backward order (all reversed, or all in order)",
+    ),
+    Misconception(
+        "zero_grad_between_micro_batches",
+        "gradients are cleared after each micro-batch, as after each step",
+        "stage.zero_grad() ran between two micro-batches' backwards",
+        "the micro-batches' gradients must add up to the batch's: do not zero them between "
+        "micro-batches (zero_grad belongs before the step, or after the optimizer step)",
+    ),
+    Misconception(
+        "both_ranks_send",
+        "a send returns at once, whatever the peer does",
+        "the ranks hang, each in a blocking send to the other",
+        "a blocking send() waits until the peer receives; two stages that send to each other at "
+        "the same moment both wait forever. In the backward, stage r receives the gradient of its "
+        "output from stage r+1 (recv) and sends the gradient of its input to stage r-1 (send): "
+        "check which of the two each call should be",
     ),
     Misconception(
         "receive_order_deadlock",
@@ -115,16 +164,25 @@ class RecordingStage(nn.Module):
         super().__init__()
         self.inner = inner
         self.log = log
+        self.backward_order: list[int] = []  # the micro-batches (by forward index), as their backward ran
+        self._forwards = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.inner(x)
         self.log.append("F" if torch.is_grad_enabled() else "F no_grad")
         if out.requires_grad:
-            out.register_hook(self._backward_seen)
+            k = self._forwards
+            out.register_hook(lambda grad: self._backward_seen(k))
+        self._forwards += 1
         return out
 
-    def _backward_seen(self, grad: torch.Tensor) -> None:
+    def _backward_seen(self, k: int) -> None:
         self.log.append("B")
+        self.backward_order.append(k)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.log.append("Z")
+        super().zero_grad(set_to_none=set_to_none)
 
 
 def _data(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,19 +207,58 @@ def _worker(learner_fn, n_micro: int) -> Outcome:
         log: list[str] = []
         stage = RecordingStage(inner, log)
 
+        act_shape = (BATCH // n_micro, WIDTH)
+
         def note(op: str, tensor: torch.Tensor | None) -> dict:
             log.append(op)  # interleaved with the stage's forwards and backwards
+            _check_message(op, tensor, rank, n_micro, act_shape)  # before it is sent: no crash in gloo
             return {}
 
         with CollectiveSpy(P2P_OPS, annotate=note) as spy:
             result = learner_fn(stage, x if first else None, y if last else None, F.mse_loss,
-                                n_micro, (BATCH // n_micro, WIDTH))
+                                n_micro, act_shape)
         got = {n: (p.grad.detach().clone() if p.grad is not None else None)
                for n, p in inner.named_parameters()}
         messages = _messages(spy.calls, rank)
-        data = {"log": log, "messages": messages}
+        received = [c.tensor.data_ptr() for c in spy.calls
+                    if c.op in ("recv", "irecv") and c.peer == rank - 1 and c.tensor is not None]
+        backs = [i for i, e in enumerate(log) if e == "B"]
+        data = {"log": log, "messages": messages, "backward_order": stage.backward_order,
+                "reused_buffer": len(set(received)) < len(received),
+                "zero_grad_between": bool(backs) and any(e == "Z" for e in log[backs[0]:backs[-1]])}
         problem = _judge_rank(rank, world, n_micro, log, messages, ref, got, result, ref_loss)
         return Outcome(rank, problem=problem, data=data)
+
+
+class BadMessage(Exception):
+    """A message the checker stopped before it was sent or received (its shape would crash gloo)."""
+
+
+def _check_message(op: str, tensor: torch.Tensor | None, rank: int, n_micro: int,
+                   act_shape: tuple[int, int]) -> None:
+    if op not in ("send", "recv", "isend", "irecv"):
+        return
+    if tensor is None:
+        if op in ("send", "isend"):
+            hint = CATALOGUE.hint("input_not_requiring_grad")
+            raise BadMessage(f"stage {rank} sent None: x.grad of a received activation is None "
+                             f"after the backward. Usual mistake: {hint}.")
+        return
+    if tuple(tensor.shape) == act_shape:
+        return
+    shape = tuple(tensor.shape)
+    if op in ("send", "isend"):
+        head = (f"stage {rank} was about to send a tensor of shape {shape}, while the receiving stage's "
+                f"buffer has act_shape {act_shape} (gloo aborts the receiving process on such a message; "
+                f"the checker stopped it first).")
+        if rank == 0 and shape[0] == n_micro and act_shape[0] != n_micro:
+            return_hint = f" Usual mistake: {CATALOGUE.hint('split_not_chunk')}."
+        else:
+            return_hint = " Every activation and gradient between two stages has the shape act_shape."
+        raise BadMessage(head + return_hint)
+    raise BadMessage(f"stage {rank} posted a receive into a buffer of shape {shape}; the activations and "
+                     f"their gradients have act_shape {act_shape}: allocate it with "
+                     f"torch.empty(act_shape, device=...) (or torch.empty_like(output) for a gradient).")
 
 
 def _messages(calls: list[Call], rank: int) -> dict[str, int]:
@@ -247,6 +344,10 @@ def _without_torch(frames: str) -> str:
 
 
 def _explain_error(f: RankFailure) -> str | None:
+    if f.kind == "exception" and f.exc_type == "BadMessage":
+        frames = [line for line in _without_torch(learner_frames(f.traceback)).splitlines()
+                  if "BadMessage" not in line]  # the message itself is said above them
+        return f"rank {f.rank}: {f.message}\n" + indent("\n".join(frames))
     freed = ("backward through the graph a second time", "does not require grad",
              "Trying to backward")
     if f.kind == "exception" and any(s in f.message for s in freed):
@@ -257,12 +358,85 @@ def _explain_error(f: RankFailure) -> str | None:
     return None
 
 
+_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\w+)')
+_P2P_FRAMES = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+
+
+def _stuck_in(stack: str) -> str:
+    """"send", "recv" or "" (elsewhere): where a hung rank waits, from its stack (innermost first)."""
+    lines = stack.splitlines()
+    for i, line in enumerate(lines):
+        m = _FRAME.search(line)
+        if not m:
+            continue
+        if "torch/distributed" in m.group(1) and m.group(3) in _P2P_FRAMES:
+            return _P2P_FRAMES[m.group(3)]
+        if "torch/" not in m.group(1) and "course_utils/" not in m.group(1):
+            code = lines[i + 1] if i + 1 < len(lines) else ""  # the learner's line: irecv(...).wait()
+            for name in ("irecv", "isend", "recv", "send"):
+                if name in code:
+                    return _P2P_FRAMES[name]
+            return ""
+    return ""
+
+
+def _explain_hang(stacks: dict[int, str]) -> str | None:
+    """Name the deadlock from where each stuck rank waits: all in send, all in recv, or a mix."""
+    where = {r: _stuck_in(s) for r, s in sorted(stacks.items())}
+    shown = "\n".join(f"rank {r} waits in {w or 'something other than send/recv'}:\n"
+                      f"{indent(_without_torch(learner_frames(stacks[r])) or '(no stack)')}"
+                      for r, w in where.items())
+    if where and all(w == "send" for w in where.values()):
+        return (f"your step hung: rank(s) {', '.join(map(str, where))} all wait in a blocking send, "
+                f"none in a receive.\n{shown}\nUsual mistake: {CATALOGUE.hint('both_ranks_send')}")
+    if where and all(w == "recv" for w in where.values()):
+        return (f"your step hung: rank(s) {', '.join(map(str, where))} all wait in a blocking recv, "
+                f"none is sending.\n{shown}\nUsual mistake: {CATALOGUE.hint('receive_order_deadlock')}")
+    if where and all(where.values()):
+        return (f"your step hung: the ranks wait in sends and receives that do not pair up (a send to "
+                f"stage r+1 must meet a recv from stage r there, in the same order, the same number "
+                f"of times).\n{shown}")
+    return (f"your step hung: after the time limit rank(s) {', '.join(map(str, where))} were still "
+            f"running, not all in a send or a receive (a loop that never ends?).\n{shown}")
+
+
+def _cross_rank_hint(outcomes: list[Outcome]) -> str:
+    """A cause seen across ranks or in the stage's record, for gradients that differ."""
+    data = {o.rank: o.data for o in outcomes}
+    for r in sorted(data):
+        if data[r].get("zero_grad_between"):
+            return (f"stage {r} ran zero_grad() between two backwards.\nUsual mistake: "
+                    + CATALOGUE.hint("zero_grad_between_micro_batches"))
+    for r in sorted(data):
+        if data[r].get("reused_buffer"):
+            return (f"stage {r} received every activation from stage {r - 1} into the same tensor.\n"
+                    f"Usual mistake: " + CATALOGUE.hint("reused_receive_buffer"))
+    for r in sorted(data):
+        nxt = data.get(r + 1)
+        if nxt and data[r].get("backward_order") and nxt.get("backward_order") and \
+                data[r]["backward_order"] != nxt["backward_order"]:
+            return (f"stage {r} ran the backwards of micro-batches {data[r]['backward_order']}, stage "
+                    f"{r + 1} in the order {nxt['backward_order']}, so stage {r} applied each gradient it "
+                    f"received to another micro-batch.\nUsual mistake: "
+                    + CATALOGUE.hint("backward_order_mismatch"))
+    return ""
+
+
 @checker("12.a GPipe schedule")
 def check_gpipe(gpipe_step, *, cases=CASES, timeout: float = TIMEOUT) -> None:
     """Run ``gpipe_step`` on 2 and 4 stages; see the module docstring for what is watched."""
     require_callable(gpipe_step, "gpipe_step(stage, inputs, targets, loss_fn, n_micro, act_shape)")
     for world, n_micro in cases:
-        outcomes = run_workers(_worker, world, args=(gpipe_step, n_micro), timeout=timeout,
-                               hang_hint=CATALOGUE.hint("receive_order_deadlock"),
-                               explain_error=_explain_error)
-        judge(outcomes, world=world)
+        results = run_workers(_worker, world, args=(gpipe_step, n_micro), timeout=timeout,
+                              explain_hang=_explain_hang, explain_error=_explain_error)
+        ended = [r for r, o in enumerate(results) if not isinstance(o, Outcome)]
+        if ended:
+            raise CheckFailed(f"on {world} stages, rank(s) {', '.join(map(str, ended))} ended the process "
+                              f"without returning from gpipe_step (the worker exited with no result: "
+                              f"os._exit() or sys.exit(0) in your code?); return from it instead.")
+        outcomes = sorted(results, key=lambda o: o.rank)
+        for o in outcomes:
+            if o.problem:
+                hint = _cross_rank_hint(outcomes) if "gradients differ" in o.problem else ""
+                seen = f"\nWhat the checker saw: {hint}." if hint else ""
+                raise CheckFailed(f"rank {o.rank}: {o.problem}{seen}")

@@ -38,6 +38,7 @@ from torch import nn
 
 from ...checking import (
     Catalogue,
+    CheckFailed,
     Misconception,
     Outcome,
     checker,
@@ -336,6 +337,15 @@ def _load_error(f) -> str | None:
             f"your load asks for{shown}. Usual mistake: {CATALOGUE.hint('optimizer_by_position')}.")
 
 
+def _outcomes(results: list, world: int, call: str) -> list[Outcome]:
+    """``judge``'s outcomes; a rank whose process ended without a result is named, not a checker bug."""
+    ended = [r for r, o in enumerate(results) if not isinstance(o, Outcome)]
+    if ended:
+        raise CheckFailed(f"on {world} ranks, rank(s) {', '.join(map(str, ended))} ended the process without "
+                          f"returning from {call} (os._exit() or sys.exit(0) in your code?); return instead.")
+    return judge(results, world=world)
+
+
 @checker("12.b resharding")
 def check_resharding(shard, save_checkpoint, load_checkpoint, *, timeout: float = 60.0) -> None:
     """Save on 2 ranks (then a save that fails on rank 1), load on 4; see the module docstring."""
@@ -345,10 +355,12 @@ def check_resharding(shard, save_checkpoint, load_checkpoint, *, timeout: float 
     tmp = tempfile.mkdtemp(prefix="ch12b_")
     path = os.path.join(tmp, "checkpoint")
     try:
-        outcomes = judge(run_workers(_save_worker, SAVE_WORLD, args=(shard, save_checkpoint, path),
-                                     timeout=timeout, explain_hang=_save_hang), world=SAVE_WORLD)
+        outcomes = _outcomes(run_workers(_save_worker, SAVE_WORLD, args=(shard, save_checkpoint, path),
+                                         timeout=timeout, explain_hang=_save_hang), SAVE_WORLD,
+                             "shard or save_checkpoint")
         saved, failed = outcomes[0].data["saved"], outcomes[0].data["failed"]
-        judge(run_workers(_load_worker, LOAD_WORLD, args=(shard, load_checkpoint, path, saved, failed),
-                          timeout=timeout, explain_error=_load_error), world=LOAD_WORLD)
+        _outcomes(run_workers(_load_worker, LOAD_WORLD, args=(shard, load_checkpoint, path, saved, failed),
+                              timeout=timeout, explain_error=_load_error), LOAD_WORLD,
+                  "shard or load_checkpoint")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -6,7 +6,9 @@ between steps::
     predict_rank_bytes(shapes, mesh_shape) -> {"params": bytes, "grads": bytes, "optimizer": bytes}
 
 for fp32 parameters, ``fully_shard`` on every Linear and on the root, and AdamW.  ``mesh_shape`` is
-``(64,)`` (FSDP over 64 ranks), ``(8, 8)`` (HSDP: 8 replicas of 8 shards) or ``(256,)``.  The checker
+``(64,)`` (FSDP over 64 ranks), ``(8, 8)`` (HSDP: 8 replicas of 8 shards), ``(256,)`` or ``(4, 16)``
+(HSDP: 4 replicas of 16 shards, not square, so that dividing by the replica dimension shows).
+Any real number is accepted (``numbers.Real``: numpy's integers and floats too).  The checker
 compares each number with what the fake backend's simulation of the same job reports
 (``course_utils.measure.ch12.simulate_fsdp``: the shards torch really allocates, padding included)
 within ``RTOL``; ``shapes`` are those of ``course_utils.measure.ch12.sim_model``.
@@ -15,6 +17,7 @@ within ``RTOL``; ``shapes`` are those of ``course_utils.measure.ch12.sim_model``
 from __future__ import annotations
 
 import math
+import numbers
 
 from ...checking import (
     Catalogue,
@@ -52,6 +55,21 @@ CATALOGUE = Catalogue(
         "parameter shard",
     ),
     Misconception(
+        "two_bytes_per_number",
+        "a number takes 2 bytes (the bf16 habit of mixed-precision training)",
+        "every number is exactly half the simulated one",
+        "the parameters here are fp32: 4 bytes per number (param.element_size()), and so are "
+        "their gradients and AdamW's two states",
+    ),
+    Misconception(
+        "shards_over_replicas",
+        "HSDP shards over the first mesh dimension",
+        "on the (4, 16) mesh every number is 4 times the simulated one (divided by 4, not by 16)",
+        "a 2-D mesh is (replicas, shards): fully_shard shards over the last dimension "
+        "(mesh_shape[-1]) and replicates over the first; dividing by mesh_shape[0] works only "
+        "when the two are equal",
+    ),
+    Misconception(
         "replicas_also_shard",
         "HSDP on 8 x 8 splits the model 64 ways, like FSDP on 64",
         "on the (8, 8) mesh every number is an eighth of the simulated one",
@@ -61,7 +79,7 @@ CATALOGUE = Catalogue(
     ),
 )
 
-MESHES = ((64,), (8, 8), (256,))
+MESHES = ((64,), (8, 8), (256,), (4, 16))
 RTOL = 0.05  # the simulation pads each parameter's first dimension to a multiple of the shards
 KEYS = ("params", "grads", "optimizer")
 
@@ -70,12 +88,16 @@ def _simulate(meshes: tuple[tuple[int, ...], ...]) -> list[dict]:
     return [simulate_fsdp(m) for m in meshes]
 
 
-def _hint(key: str, mesh: tuple[int, ...], ratio: float) -> str:
+def _hint(key: str, mesh: tuple[int, ...], ratio: float, ratios: dict[str, float]) -> str:
     shards = mesh[-1]
 
-    def near(x: float) -> bool:
-        return abs(ratio - x) < RTOL * x
+    def near(x: float, r: float = ratio) -> bool:
+        return abs(r - x) < RTOL * x
 
+    if all(near(0.5, r) for r in ratios.values()):
+        return CATALOGUE.hint("two_bytes_per_number")
+    if len(mesh) == 2 and mesh[0] != mesh[1] and near(mesh[1] / mesh[0]):
+        return CATALOGUE.hint("shards_over_replicas")
     if len(mesh) == 2 and near(1 / mesh[0]):
         return CATALOGUE.hint("replicas_also_shard")
     if key == "params" and near(shards):
@@ -101,13 +123,15 @@ def check_rank_memory(predict_rank_bytes, *, meshes=MESHES) -> None:
     rows, problems = [], []
     for mesh, got, sim in zip(meshes, predictions, simulated):
         for key in KEYS:
-            want, value = sim[key], got[key]
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            value = got[key]
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or math.isnan(float(value)):
                 raise CheckFailed(f"for mesh {mesh}, {key!r} is {value!r}; expected a number of bytes")
-            ratio = value / want
+        ratios = {key: float(got[key]) / sim[key] for key in KEYS}
+        for key in KEYS:
+            want, value, ratio = sim[key], float(got[key]), ratios[key]
             rows.append(f"  {str(mesh):<8} {key:<10} {value:>14,.0f} {want:>14,} {ratio:>7.3f}")
             if abs(ratio - 1) > RTOL and not problems:
-                hint = _hint(key, mesh, ratio)
+                hint = _hint(key, mesh, ratio, ratios)
                 problems.append(f"for mesh {mesh} ({sim['world']} ranks) you predicted {value:,.0f} "
                                 f"bytes of {key}, the simulation keeps {want:,} (ratio {ratio:.3g})."
                                 + (f" Usual mistake: {hint}." if hint else ""))
