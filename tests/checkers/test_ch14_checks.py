@@ -217,7 +217,7 @@ def test_ring_right_answers_pass(right, capsys):
 
 @pytest.mark.parametrize("entry, wrong", cases(a_ring_attention.CATALOGUE, RING_WRONG))
 def test_ring_names_the_mistake(entry, wrong):
-    timeout = 8.0 if entry.key == "deadlock" else a_ring_attention.TIMEOUT
+    timeout = 5.0 if entry.key == "deadlock" else a_ring_attention.TIMEOUT  # it hangs: any limit names it
     with pytest.raises(CheckFailed) as e:
         check_ring_attention(wrong, timeout=timeout)
     assert entry.message in str(e.value)
