@@ -37,6 +37,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 __all__ = ["Collective", "DumpSkipped", "MAX_DUMP_BYTES", "load_dumps", "collectives", "learner_frame",
            "print_records", "py_spy_dump", "main_thread", "stuck_frame", "stacks_under_slurm", "PY_SPY"]
 
@@ -157,15 +159,32 @@ def print_records(dumps: Mapping[int, Mapping[str, Any]], last: int = 4) -> None
             print(f"    {c.seq:>4}  {c.op:<11} {shapes:<12} {c.state:<10} {c.frame}")
 
 
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def py_spy_dump(pid: int, timeout: float = 30.0) -> str:
-    """``py-spy dump --pid PID``: every thread's Python stack of a running process, innermost first."""
+    """``py-spy dump --pid PID``: every thread's Python stack of a running process, innermost first.
+
+    A process that ends while py-spy reads it raises ``ProcessLookupError`` (py-spy may then panic
+    and print a Rust backtrace, which is not shown); any other failure raises ``RuntimeError`` with
+    py-spy's own error line."""
     if PY_SPY is None:
         raise RuntimeError("py-spy is not installed: `pip install py-spy` (it is in pyproject.toml)")
     r = subprocess.run([PY_SPY, "dump", "--pid", str(pid)], capture_output=True, text=True,
                        timeout=timeout)
-    if r.returncode:
-        raise RuntimeError(f"py-spy dump --pid {pid} failed: {(r.stderr or r.stdout).strip()[-300:]}")
-    return _ANSI.sub("", r.stdout)  # py-spy colours its output even into a pipe
+    out, err = _ANSI.sub("", r.stdout), _ANSI.sub("", r.stderr)  # py-spy colours its output even into a pipe
+    panicked = any(s in out + err for s in ("panicked at", "stack backtrace:", "RUST_BACKTRACE"))
+    if r.returncode or panicked or not out.strip():
+        if not _running(pid):
+            raise ProcessLookupError(f"process {pid} ended while py-spy read its stack: nothing to show")
+        lines = [line.strip() for line in (err + "\n" + out).splitlines() if line.strip()]
+        said = next((line for line in lines if line.startswith("Error")), lines[0] if lines else "no output")
+        raise RuntimeError(f"py-spy dump --pid {pid} failed: {said[:300]}")
+    return out
 
 
 def main_thread(stack: str) -> str:

@@ -8,6 +8,10 @@ import os
 import pickle
 import shutil
 import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 from misconceptions import cases  # tests/checkers/misconceptions.py, beside this file
@@ -17,12 +21,14 @@ from course_utils.checks import check_find_culprit
 from course_utils.checks.ch13 import a_find_culprit
 from course_utils.checks.ch13.a_find_culprit import FAILURES, load_recorded, reference_culprit
 from course_utils.measure.ch13 import (
+    PY_SPY,
     DumpSkipped,
     collectives,
     learner_frame,
     load_dumps,
     main_thread,
     print_records,
+    py_spy_dump,
     stuck_frame,
 )
 
@@ -361,3 +367,31 @@ def test_damaged_recorded_dumps_name_the_file_not_the_learner(damage, tmp_path, 
     assert f"recorded dumps {target}" in message
     assert "git checkout -- course_utils/checks/ch13/dumps/" in message
     assert "your code raised" not in message and "Your code was not run" in message
+
+
+@pytest.mark.skipif(PY_SPY is None, reason="py-spy is not installed")
+def test_py_spy_dump_of_a_process_that_ends_mid_dump_says_so_in_one_line():
+    said = collections.Counter()
+    for i in range(20):
+        child = subprocess.Popen([sys.executable, "-c", "while True: sum(range(1000))"])
+        try:
+            time.sleep(0.3)
+            killer = threading.Timer(0.001 * i, child.kill)  # during py-spy's read, or before it
+            killer.start()
+            try:
+                stack = py_spy_dump(child.pid)
+                assert stack.startswith("Process "), stack[:300]
+                said["stack"] += 1
+            except ProcessLookupError as e:
+                assert f"process {child.pid} ended while py-spy read its stack" in str(e)
+                said["ended"] += 1
+            except RuntimeError as e:
+                message = str(e)
+                assert message.startswith(f"py-spy dump --pid {child.pid} failed: ") and "\n" not in message
+                assert "backtrace" not in message and "panicked" not in message, message
+                said["failed"] += 1
+            killer.join()
+        finally:
+            child.kill()
+            child.wait()
+    assert said["ended"] > 0, said  # the race was provoked
