@@ -132,6 +132,8 @@ def main() -> None:
                                     f"--nproc_per_node={WORLD}", str(HERE), "--worker", failure, folder]},
                          timeout=120, env={"OMP_NUM_THREADS": "1", "TORCH_FR_BUFFER_SIZE": size,
                                            "TORCH_CPP_LOG_LEVEL": "FATAL"}, check=True)
+            # Unpickled as they are: files this script's own job wrote, a moment ago, into a private
+            # temporary folder (a learner's dumps are read as data only: measure.ch13.load_dumps).
             dumps = {r: pickle.loads(Path(folder, f"{r}.pkl").read_bytes()) for r in range(WORLD)}
         path = OUT / f"{failure}.json"
         path.write_text(_json(_portable(dumps)))
