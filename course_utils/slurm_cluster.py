@@ -276,6 +276,24 @@ class LocalCluster:
         out = self.run("scontrol", "show", "job", "-o", job_id, check=False)
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
+    def release(self, job_id, timeout=60.0) -> None:
+        """Start a requeued job now instead of after Slurm's hold (``Reason=BeginTime``).
+
+        Waits first until the job is PENDING and both nodes are idle again (the old run has
+        ended there), and until the second of the requeue has passed: slurmd refuses a job
+        credential made no later than the second in which the old one was revoked ("Killing
+        non-startable batch job: Job credential revoked"), and Slurm's own hold exists for that.
+        """
+        deadline = time.monotonic() + timeout
+        while (self.job(job_id).get("JobState") != "PENDING"
+               or set(self.run("sinfo", "-h", "-N", "-o", "%T").split()) != {"idle"}):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} not pending on idle nodes after {timeout:g} s: "
+                                   f"{self.job(job_id)}\n{self.logs()}")
+            time.sleep(0.2)
+        time.sleep(1.5)
+        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
     def wait(self, job_id, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                                    "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"),
              timeout=120.0, poll=0.2) -> dict:

@@ -135,9 +135,7 @@ def test_requeued_job_resumes_from_its_checkpoint_and_ends_equal(cluster, work, 
         time.sleep(0.2)
     cluster.run("scontrol", "requeue", job)
     # Slurm holds a requeued job back for a while (Reason=BeginTime); let it start at once.
-    while cluster.job(job).get("JobState") != "PENDING":
-        time.sleep(0.2)
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    cluster.release(job)
     info, log = _finish(cluster, work, job, "requeued")
     assert info["Restarts"] == "1"
     assert f"Slurm job {job} run 0" in log and f"Slurm job {job} run 1" in log, log
@@ -167,7 +165,7 @@ def test_a_preemption_warning_saves_requeues_and_resumes_equal(cluster, work, un
             f"{cluster.job(job)}\n{_log_of(log_path)}"
         assert time.monotonic() < deadline + 60, _log_of(log_path)
         time.sleep(0.2)
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    cluster.release(job)
     info, log = _finish(cluster, work, job, "warned")
     assert info["Restarts"] == "1", info
     stopped = [line for line in log.splitlines() if "preemption warning: stopped after step" in line]
