@@ -1,9 +1,11 @@
 """Chapter 16's scripts: local SGD with H = 1 is DDP; DiLoCo with outer lr 1 and no momentum is local
 SGD; bf16, int8 and fragments send the bytes they claim; the α-β crossover; the shaped-link run
-(root only, skipped with a reason otherwise) leaves nothing behind."""
+(root only, skipped with a reason otherwise) leaves nothing behind; torchft's DiLoCo equals the
+one-process simulation and heals a killed replica (skipped without torchft)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -11,11 +13,12 @@ from pathlib import Path
 import pytest
 
 from course_utils import launch
-from course_utils.measure.ch16 import crossover_bps, step_seconds, steps_to
+from course_utils.measure.ch16 import crossover_bps, run_ft, step_seconds, steps_to
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 sys.path.insert(0, str(NOTEBOOKS))  # the scripts import each other by name, as files beside them do
 import ch16_diloco  # noqa: E402
+import ch16_ft  # noqa: E402
 import ch16_slownet  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -87,3 +90,21 @@ def test_on_a_slow_link_diloco_steps_are_cheaper_and_nothing_is_left():
     # 177 KiB per DDP step at 10 Mbit/s is about 145 ms; DiLoCo sends it once per 8 steps
     assert mean["ddp"] > 0.1 and mean["ddp"] > 3 * mean["diloco"], mean
     assert not [n for n in ch16_slownet.ch06_netns.ours() if f"-{os.getpid()}-" in n]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                    reason='torchft is not installed (the optional extra: pip install -e ".[ft]")')
+def test_torchft_diloco_equals_the_simulation_and_heals_a_killed_replica(tmp_path):
+    import ch13_ft
+
+    logs, _ = run_ft(NOTEBOOKS / "ch16_ft.py", tmp_path, rounds=2, sync_every=4, kill_at=1, together=1,
+                     round_time=0.05, rejoin_after=1)
+    steps = {k: [r for r in v if "step" in r and "event" not in r] for k, v in logs.items()}
+    model = ch16_diloco.make_model(0)
+    model.load_state_dict(ch16_ft.simulate(1, 4))
+    assert steps[0, 0][0]["digest"] == steps[1, 0][0]["digest"] == ch13_ft.digest(model)
+    assert any(r["participants"] == 1 for r in steps[0, 0])  # the survivor went on alone
+    assert any(r.get("event") == "healed" for r in logs[1, 1])
+    survivor = {r["step"]: r["digest"] for r in steps[0, 0]}
+    joined = [r for r in steps[1, 1] if r["participants"] == 2]
+    assert joined and all(survivor[r["step"]] == r["digest"] for r in joined)
