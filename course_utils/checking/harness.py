@@ -41,6 +41,7 @@ from ..monitor import NullDisplay
 from ..progress import record
 from ..workers.errors import FailureKind, RankFailure, WorkerError, WorkerTimeout, indent
 from ..workers.stacks import drop_frames
+from ..workers.supervisor import ForkServerFailed
 from .errors import CheckFailed
 from .limits import time_limit
 
@@ -84,6 +85,8 @@ def checker(exercise: str, *, in_process: bool = False) -> Callable:
                     f"[{exercise}] not done yet: the code still raises NotImplementedError ({e}). "
                     "Replace the stub with your solution and run the check again."
                 ) from None
+            except ForkServerFailed as e:  # the course's machinery, not the answer: nothing recorded
+                raise CheckFailed(f"[{exercise}] could not run the check: {e}") from None
             except WorkerError as e:  # a launch outside run_workers: at least name a stub
                 _record(exercise, False)
                 raise CheckFailed(f"[{exercise}] {_error_message(e, NullDisplay(0), '')}") from None

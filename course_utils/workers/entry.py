@@ -11,6 +11,7 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -24,25 +25,69 @@ from ..workarounds import apply_all as apply_torch_workarounds
 from . import reports, tree
 from .errors import RankResult
 
-__all__ = ["worker_main", "SENT", "NOT_SENT"]
+__all__ = ["worker_main", "SENT", "NOT_SENT", "CLOSED_PIPES", "STACK_SIGNAL"]
 
-# The worker's exit code: its result was sent (0), or sending it failed (the launcher says so).
+# The worker's exit code: its result was sent (0), or sending it failed (the launcher says so), or
+# the function closed the descriptors the launcher gave the worker (its pipes): it could no longer
+# be watched, report or send a result, so it ended.
 SENT = 0
 NOT_SENT = 70
+CLOSED_PIPES = 71
+# The signal that makes a worker dump its threads' stacks (faulthandler): a real-time signal, which
+# learner code does not use the way it uses SIGUSR1 (a handler of its own would take the dump away).
+STACK_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 
 Connection = multiprocessing.connection.Connection
 
 
-def _die_with_launcher(alive_r: Connection) -> None:
-    """When the launcher exits, the write end of this pipe closes: kill this worker's group."""
+def _identity(fds: list[int]) -> list[tuple[int, int] | None]:
+    out: list[tuple[int, int] | None] = []
+    for fd in fds:
+        try:
+            st = os.fstat(fd)
+            out.append((st.st_dev, st.st_ino))
+        except OSError:
+            out.append(None)
+    return out
+
+
+class _Pipes:
+    """The descriptors the launcher gave this worker, as they were: ``intact()`` is False once the
+    function closed one of them (``os.closerange``), even if its number was reused since."""
+
+    def __init__(self, fds: list[int]):
+        self.fds, self.was = fds, _identity(fds)
+
+    def intact(self) -> bool:
+        return _identity(self.fds) == self.was
+
+
+def _end_closed_pipes() -> None:
+    """The function closed the launcher's pipes: end its tree and exit, the code saying why."""
+    tree.kill_descendants()
+    os._exit(CLOSED_PIPES)
+
+
+def _die_with_launcher(alive_r: Connection, pipes: _Pipes) -> None:
+    """When the launcher exits, the write end of this pipe closes: kill this worker's group.
+
+    Closing a descriptor does not wake a thread blocked reading it, and a number closed by the
+    function can be reused by a file of its own: so the pipe is read only while it is still the
+    one the launcher gave, checked every half second."""
     alive_fd = alive_r.fileno()
 
     def watch() -> None:
         try:
-            while os.read(alive_fd, 1):
-                pass
-        except OSError:
-            pass
+            while pipes.intact():
+                if select.select([alive_fd], [], [], 0.5)[0]:
+                    if not pipes.intact():
+                        break
+                    if not os.read(alive_fd, 1):
+                        raise EOFError
+            _end_closed_pipes()
+        except (OSError, ValueError, EOFError):
+            if not pipes.intact():
+                _end_closed_pipes()
         tree.kill_descendants()  # also those that left this group (setsid)
         os.killpg(0, signal.SIGKILL)
 
@@ -131,10 +176,11 @@ def worker_main(
     if os.getppid() != parent:  # it already has
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook's interrupt is the launcher's job
-    _die_with_launcher(alive_r)
     _redirect_output(out_w, err_w)
-    # On SIGUSR1 (sent on timeout) dump every thread's Python stack to the stack pipe.
-    faulthandler.register(signal.SIGUSR1, file=os.fdopen(stack_w.fileno(), "w", closefd=False),
+    pipes = _Pipes([c.fileno() for c in (stack_w, report_w, result_w, alive_r)])
+    _die_with_launcher(alive_r, pipes)
+    # On STACK_SIGNAL (sent on timeout) dump every thread's Python stack to the stack pipe.
+    faulthandler.register(STACK_SIGNAL, file=os.fdopen(stack_w.fileno(), "w", closefd=False),
                           all_threads=True)
     reports.open_channel(report_w.fileno())
     _become_the_kernel(spec)
@@ -152,9 +198,12 @@ def worker_main(
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # the function may have closed fd 1 or 2
                 stream.flush()
-        result_w.send_bytes(data)
+        if not pipes.intact():
+            code = CLOSED_PIPES
+        else:
+            result_w.send_bytes(data)
     except BaseException:
-        code = NOT_SENT
+        code = NOT_SENT if pipes.intact() else CLOSED_PIPES
     finally:
         try:
             tree.end_descendants()  # nothing this worker started outlives it

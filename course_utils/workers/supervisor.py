@@ -68,7 +68,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from . import tree
-from .entry import NOT_SENT, worker_main
+from .entry import CLOSED_PIPES, NOT_SENT, STACK_SIGNAL, worker_main
 from .errors import FailureKind, RankFailure, RankResult, WorkerError, WorkerTimeout
 from .lines import LineSplitter
 from .reports import STARTED, decode_frames
@@ -130,23 +130,50 @@ class _Rank:
         if code == 0:  # os._exit(0) before returning: treat as "returned None", as torchrun would
             self.result = RankResult()
             return None
+        if code == CLOSED_PIPES:
+            return RankFailure(self.rank, FailureKind.EXIT, exitcode=code, message=_CLOSED_PIPES)
         if code == NOT_SENT:
             return RankFailure(self.rank, FailureKind.EXIT, exitcode=code,
                                message="its function finished, but its result could not be sent back")
         return RankFailure(self.rank, FailureKind.EXIT, exitcode=code)
 
 
+_CLOSED_PIPES = ("its code closed the file descriptors the launcher gave the worker (its output, "
+                 "result and watch pipes; os.closerange does that), so it could neither be watched "
+                 "nor send its result, and it ended: close only the descriptors your code opened")
+FORK_SERVER_TRIES = 3
+
+
+class ForkServerFailed(RuntimeError):
+    """The fork server that workers are started from stopped answering (it was killed, or died)."""
+
+
 def _start_rank(ctx: Any, rank: int, spec: dict, payload: bytes) -> tuple[_Rank, Any]:
-    pipes = {n: ctx.Pipe(duplex=False) for n in STREAMS}
-    alive_r, alive_w = ctx.Pipe(duplex=False)
-    proc = ctx.Process(
-        target=worker_main,
-        args=(spec, payload, *(pipes[n][1] for n in STREAMS), alive_r),
-        name=f"course-rank{rank}",
-        daemon=False,
-    )
-    with main_module_hidden():
-        proc.start()
+    """Fork one worker from the fork server.  A fork server that died (killed, say) is noticed by
+    multiprocessing only once it has been reaped: the request then fails with EOFError or a broken
+    connection, so the start is tried again, and multiprocessing starts a new server."""
+    for attempt in range(FORK_SERVER_TRIES):
+        pipes = {n: ctx.Pipe(duplex=False) for n in STREAMS}
+        alive_r, alive_w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=worker_main,
+            args=(spec, payload, *(pipes[n][1] for n in STREAMS), alive_r),
+            name=f"course-rank{rank}",
+            daemon=False,
+        )
+        try:
+            with main_module_hidden():
+                proc.start()
+            break
+        except (EOFError, ConnectionError) as e:
+            for conn in (alive_r, alive_w, *(c for pair in pipes.values() for c in pair)):
+                conn.close()
+            if attempt + 1 == FORK_SERVER_TRIES:
+                raise ForkServerFailed(
+                    f"the course's fork server, from which workers are started, stopped answering "
+                    f"({type(e).__name__}) {FORK_SERVER_TRIES} times in a row; nothing of your code "
+                    "ran. Run the cell again; if it happens again, restart the kernel.") from None
+            time.sleep(0.3 * (attempt + 1))  # the dead server becomes reapable: a new one starts
     for _, w in pipes.values():
         w.close()  # the child has its own copy now
     alive_r.close()
@@ -476,7 +503,7 @@ class _Supervisor:
         stuck = [r for r in self.ranks if not r.exited and r.proc.exitcode is None]
         for r in stuck:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(r.proc.pid, signal.SIGUSR1)
+                os.kill(r.proc.pid, STACK_SIGNAL)
         end = time.monotonic() + 1.5
         while time.monotonic() < end:
             for key, _ in self.sel.select(timeout=0.1):
@@ -485,10 +512,39 @@ class _Supervisor:
                     self._handle(rr, name, key.fd)
             if all(r.stack.count(b"\n") >= 2 for r in stuck) and time.monotonic() > end - 1.0:
                 break
-        return {r.rank: RankFailure(r.rank, FailureKind.TIMEOUT, 
+        return {r.rank: RankFailure(r.rank, FailureKind.TIMEOUT,
                                     stack=tidy_stack(r.stack.decode(errors="replace")),
-                                    message=_STOPPED if tree.state(r.proc.pid) == "T" else "")
+                                    message=_no_stack_reason(r, set(self.sel.get_map())))
                 for r in stuck}
+
+
+def _no_stack_reason(r: _Rank, still_read: set[int]) -> str:
+    """Why a stuck rank sent no stack ("" when it sent one); ``still_read``: the fds not at EOF."""
+    if tree.state(r.proc.pid) == "T":
+        return _STOPPED
+    if r.stack.strip():
+        return ""
+    if r.parent_ends["stack"].closed or r.parent_ends["stack"].fileno() not in still_read:
+        return ("its stack could not be collected: it closed the pipe its stack is sent through "
+                "(os.closerange, or closing descriptors it did not open); the launcher killed it")
+    bit = 1 << (STACK_SIGNAL - 1)
+    masks = _signal_masks(r.proc.pid)
+    if masks.get("SigBlk", 0) & bit or masks.get("SigIgn", 0) & bit:
+        return (f"its stack could not be collected: it blocks or ignores signal {STACK_SIGNAL}, which "
+                "asks a worker for its stack (signal.pthread_sigmask or SIG_IGN on every signal?); "
+                "the launcher killed it")
+    return ("its stack could not be collected: it did not answer the request for it within 1.5 s "
+            "(its main thread may be running C code that never lets Python run); the launcher killed it")
+
+
+def _signal_masks(pid: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("SigBlk", "SigIgn"):
+                out[key] = int(value.strip(), 16)
+    return out
 
 
 _STOPPED = ("it was stopped by a signal (state T: SIGSTOP, SIGTSTP, or a debugger), so it could "

@@ -7,6 +7,7 @@ launch started is left running once it returns or raises.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -21,6 +22,15 @@ import pytest
 from course_utils import WorkerError, WorkerTimeout, launch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+@pytest.fixture
+def two_busy_loops():
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for p in loops:
+        p.kill()
+        p.wait()
 
 
 def _gone(pid: int) -> bool:
@@ -60,6 +70,66 @@ def test_a_worker_that_cannot_send_its_result_fails_instead_of_returning_none():
     with pytest.raises(WorkerError) as ei:
         launch(_closes_every_descriptor, 1, timeout=30)
     assert ei.value.failed_ranks == [0], ei.value
+    assert "closed the file descriptors the launcher gave" in str(ei.value), ei.value
+
+
+def _closes_its_descriptors_and_waits() -> None:
+    os.closerange(3, 65536)
+    time.sleep(120)
+
+
+def test_a_worker_that_closed_its_descriptors_is_named_for_it_not_as_an_oom_kill_or_a_hang(two_busy_loops):
+    """It was SIGKILLed by its own watchdog (its pipe gone) and called an OOM kill, or, alone, timed out."""
+    for world in (1, 2):
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as ei:
+            launch(_closes_its_descriptors_and_waits, world, timeout=60)
+        text = str(ei.value)
+        assert not isinstance(ei.value, WorkerTimeout) and "OOM" not in text, text
+        assert "closed the file descriptors the launcher gave" in text, text
+        assert time.monotonic() - start < 50
+
+
+def _own_sigusr1_handler() -> None:
+    signal.signal(signal.SIGUSR1, lambda *_: None)
+    signal.signal(signal.SIGUSR2, lambda *_: None)
+    time.sleep(120)
+
+
+def test_a_hang_in_a_worker_with_its_own_sigusr1_handler_still_shows_the_stack(two_busy_loops):
+    with pytest.raises(WorkerTimeout) as ei:
+        launch(_own_sigusr1_handler, 2, timeout=3)
+    for f in ei.value.failures.values():
+        assert "_own_sigusr1_handler" in f.stack and "time.sleep(120)" in f.stack, ei.value
+
+
+def _ignores_every_signal() -> None:
+    for s in signal.valid_signals():
+        if s not in (signal.SIGKILL, signal.SIGSTOP):
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                signal.signal(s, signal.SIG_IGN)
+    time.sleep(120)
+
+
+def test_a_hang_without_a_stack_says_why(two_busy_loops):
+    with pytest.raises(WorkerTimeout) as ei:
+        launch(_ignores_every_signal, 1, timeout=3)
+    text = str(ei.value)
+    assert "blocks or ignores signal" in text and "no Python stack could be collected" not in text, text
+
+
+def _returns_one() -> int:
+    return 1
+
+
+def test_a_launch_right_after_the_fork_server_was_killed_starts_a_new_one():
+    """Right after the kill the dead server is not reaped yet: multiprocessing still connects to it
+    and its first start failed with EOFError (each restart imports torch: one kill is enough)."""
+    from multiprocessing import forkserver
+
+    assert launch(_returns_one, 2, timeout=60) == [1, 1]
+    os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+    assert launch(_returns_one, 2, timeout=60) == [1, 1]
 
 
 def test_sys_exit_keeps_its_message_and_its_code():
