@@ -152,8 +152,11 @@ def _step(model, optimizer, x, y, *, guard="grads", zero_when_skipping=True):
         if bad.item() > 0:
             return False
     loss.backward()
-    ok = guard != "grads" or all(torch.isfinite(p.grad).all() for p in model.parameters()
-                                 if p.grad is not None)
+    if guard == "grads isnan":  # "non-finite means NaN": an overflow (+inf) passes this guard
+        ok = not any(torch.isnan(p.grad).any() for p in model.parameters() if p.grad is not None)
+    else:
+        ok = guard != "grads" or all(torch.isfinite(p.grad).all() for p in model.parameters()
+                                     if p.grad is not None)
     if ok:
         optimizer.step()
     if ok or zero_when_skipping:
@@ -603,6 +606,10 @@ def step_no_guard(model, optimizer, x, y):
     return _step(model, optimizer, x, y, guard="none")
 
 
+def step_nan_only(model, optimizer, x, y):
+    return _step(model, optimizer, x, y, guard="grads isnan")
+
+
 def step_keeps_nan_gradients(model, optimizer, x, y):
     return _step(model, optimizer, x, y, zero_when_skipping=False)
 
@@ -700,11 +707,13 @@ WRONG_C = _wrong(
 
 WRONG_D = _wrong(
     (step_local_skip, "one rank decided alone to skip", HANG),
-    (step_no_guard, r"rank 0 stepped at steps \[0, 1, 2, 3\].*step 1 \(rank 1's batch holds a NaN\) "
+    (step_no_guard, r"rank 0 stepped at steps \[0, 1, 2, 3, 4\].*step 1 \(rank 1's batch holds a NaN\) "
                     r"was taken", None),
+    (step_nan_only, r"rank 0 stepped at steps \[0, 2, 3, 4\].*expected all but steps 1 and 3: step 3 was "
+                    r"taken: its loss and one gradient are \+inf.*torch\.isnan alone.*torch\.isfinite", None),
     (step_keeps_nan_gradients, r"stepped at steps \[0\].*every step after the NaN was skipped too.*"
                                r"zero_grad\(\) also when you skip", None),
-    (step_without_return, r"rank 0: train_step returned \[None, None, None, None\]", None),
+    (step_without_return, r"rank 0: train_step returned \[None, None, None, None, None\]", None),
     (step_own_loss_after_backward, r"(?s)at step 1 the ranks decided differently: rank 0 stepped, rank 1 "
                                    r"skipped.*own loss.*gradients", None),
 )
