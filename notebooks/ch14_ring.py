@@ -53,10 +53,10 @@ def merge(out, lse, block_out, block_lse):
     return out, new
 
 
-def _exchange(send, recv, rank, world):
-    """Post one ring step: send ``send`` to rank + 1, receive into ``recv`` from rank - 1."""
-    ops = [dist.P2POp(dist.isend, send, (rank + 1) % world),
-           dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+def _exchange(send, recv, rank, world, group=None):
+    """Post one ring step: send ``send`` to rank + 1, receive into ``recv`` from rank - 1 (of ``group``)."""
+    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % world),
+           dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % world)]
     return dist.batch_isend_irecv(ops)
 
 
@@ -76,8 +76,8 @@ def _attend_block(qs, ks, vs, mine, theirs, out, lse, work):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, overlap, log):
-        rank, world = dist.get_rank(), dist.get_world_size()
+    def forward(ctx, q, k, v, layout, overlap, log, group):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
         t0 = log.get("t0", time.perf_counter()) if log is not None else 0.0
         mine = chunks_of(rank, world, layout)
         n = len(mine)
@@ -91,7 +91,7 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % world  # whose K/V block this rank holds now
             last = step == world - 1
             if not last and overlap:
-                reqs = _exchange(kv, spare, rank, world)  # posted before computing: it overlaps
+                reqs = _exchange(kv, spare, rank, world, group)  # posted before computing: it overlaps
             start = time.perf_counter()
             theirs = chunks_of(src, world, layout)
             _attend_block(qs, kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2), mine, theirs, out, lse, work)
@@ -100,7 +100,7 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 start = time.perf_counter()
                 if not overlap:
-                    reqs = _exchange(kv, spare, rank, world)
+                    reqs = _exchange(kv, spare, rank, world, group)
                 for r in reqs:
                     r.wait()
                 if log is not None:
@@ -110,13 +110,13 @@ class _RingAttention(torch.autograd.Function):
             log["work"] = work[0]
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout = layout
+        ctx.layout, ctx.group = layout, group
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
         mine = chunks_of(rank, world, ctx.layout)
         n = len(mine)
         scale = q.shape[-1] ** -0.5
@@ -142,22 +142,23 @@ class _RingAttention(torch.autograd.Function):
             # N - 1 exchanges carry K, V and the gradients; the last one only brings dK, dV home
             send = block if step < world - 1 else block[2:].contiguous()
             recv = torch.empty_like(send)
-            for r in _exchange(send, recv, rank, world):
+            for r in _exchange(send, recv, rank, world, ctx.group):
                 r.wait()
             if step < world - 1:
                 block = recv
             else:
                 dk, dv = recv[0], recv[1]
-        return torch.cat(dq, dim=2), dk, dv, None, None, None
+        return torch.cat(dq, dim=2), dk, dv, None, None, None, None
 
 
-def ring_attention(q, k, v, layout="contiguous", overlap=True, log=None):
+def ring_attention(q, k, v, layout="contiguous", overlap=True, log=None, group=None):
     """Causal attention of this rank's queries over the whole sequence's keys, K/V passed in a ring.
 
-    ``log`` (a dict, optional) receives ``events``: ("compute" or "wait", start, end) in seconds
-    since ``log["t0"]``, and ``work``: the query-key pairs this rank scored.
+    ``group``: the ranks that share the sequence (default: all of them).  ``log`` (a dict, optional)
+    receives ``events``: ("compute" or "wait", start, end) in seconds since ``log["t0"]``, and
+    ``work``: the query-key pairs this rank scored.
     """
-    return _RingAttention.apply(q, k, v, layout, overlap, log)
+    return _RingAttention.apply(q, k, v, layout, overlap, log, group)
 
 
 def seq_to_heads(x):

@@ -18,6 +18,7 @@ returns what rank it ran on measured:
 
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -189,3 +190,63 @@ def torch_context_parallel(seq=256):
         result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     dist.destroy_process_group()
     return result
+
+
+
+class AttentionLayer(torch.nn.Module):
+    """q/k/v projection, ``attend`` (ring attention over a group, say), output projection."""
+
+    def __init__(self, width, heads, attend):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.heads, self.attend = heads, attend
+
+    def forward(self, x):
+        b, s, e = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        return self.out(self.attend(q, k, v).transpose(1, 2).reshape(b, s, e))
+
+
+def simulate_cp_fsdp(dp=16, cp=4, seq=4096, width=512, heads=8):
+    """SIMULATION with torch's fake backend: rank 0 of a dp x cp job, one attention layer's training step.
+
+    The weights are sharded with FSDP2 over all dp * cp ranks (CP ranks hold the same weights, so
+    their shards fold into one group); the sequence of ``seq`` tokens is split over the ``cp`` ranks
+    of rank 0's CP group, and ring attention passes K and V inside that group.  Returns rank 0's
+    parameter bytes, the FSDP2 collectives ``(op, bytes)`` and the ring's exchanges (their peers,
+    global ranks) with the bytes of one K/V block.  Nothing is timed: the fake backend moves no data.
+    """
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh  # here: a second to import
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from course_utils.checking import CollectiveSpy
+
+    barrier = os.environ.pop("TORCH_DIST_INIT_BARRIER", None)  # the other ranks do not exist
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp * cp)
+    try:
+        cp_group = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")).get_group("cp")
+        fsdp_mesh = init_device_mesh("cpu", (dp * cp,))
+        torch.manual_seed(0)
+        model = AttentionLayer(width, heads, lambda q, k, v: ring_attention(q, k, v, group=cp_group))
+        fully_shard(model.qkv, mesh=fsdp_mesh)
+        fully_shard(model.out, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+        x = torch.randn(1, seq // cp, width)  # this rank's slice of the sequence
+        with CollectiveSpy(("all_gather_single", "reduce_scatter_single", "batch_isend_irecv")) as spy, \
+                warnings.catch_warnings():
+            # FSDP2 warns that a Linear on a 3-d input returns a view; no in-place op follows here
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            model(x).square().mean().backward()
+        calls = [("ring", [peer for _, peer in c.extra["p2p"]]) if c.op == "batch_isend_irecv"
+                 else (c.op, c.nbytes) for c in spy.calls]
+        return {"params": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
+                "unsharded": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "calls": calls, "kv_block": 2 * (seq // cp) * width * 4,
+                "cp_ranks": dist.get_process_group_ranks(cp_group)}
+    finally:
+        dist.destroy_process_group()
+        if barrier is not None:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = barrier
