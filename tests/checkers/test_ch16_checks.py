@@ -214,7 +214,15 @@ def sync_async_state_dict(model, step, H):
         t.div_(dist.get_world_size())
 
 
-@pytest.mark.parametrize("right", [sync_per_parameter, sync_flat_vector, sync_async_state_dict])
+@torch.no_grad()
+def sync_with_avg_op(model, step, H):
+    if step % H == 0:
+        for p in model.parameters():
+            dist.all_reduce(p, op=dist.ReduceOp.AVG)
+
+
+@pytest.mark.parametrize("right", [sync_per_parameter, sync_flat_vector, sync_async_state_dict,
+                                   sync_with_avg_op])
 def test_local_sgd_accepts_right_answers(right, capsys):
     check_local_sgd_sync(right)
     assert "[PASS] 16.b local SGD sync" in capsys.readouterr().out

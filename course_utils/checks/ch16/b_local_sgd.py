@@ -52,8 +52,8 @@ CATALOGUE = Catalogue(
     Misconception(
         "sums_parameters", "all_reduce averages",
         "the parameters after a sync are the sum over the ranks",
-        "the parameters were summed, not averaged: all_reduce sums (gloo has no AVG); divide by "
-        "dist.get_world_size()"),
+        "the parameters were summed, not averaged: dist.all_reduce sums by default (op=ReduceOp.SUM); "
+        "divide by dist.get_world_size(), or pass op=ReduceOp.AVG"),
     Misconception(
         "every_step", "syncing more often cannot hurt",
         "a collective at every step",
