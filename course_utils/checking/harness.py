@@ -29,6 +29,8 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import os
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -92,7 +94,9 @@ def checker(exercise: str, *, in_process: bool = False) -> Callable:
                 raise CheckFailed(f"[{exercise}] {_error_message(e, NullDisplay(0), '')}") from None
             except Exception as e:  # the learner's code crashed in this process
                 _record(exercise, False)
-                raise CheckFailed(f"[{exercise}] your code raised {type(e).__name__}: {e}") from e
+                frames = _own_frames(e)
+                raise CheckFailed(f"[{exercise}] your code raised {type(e).__name__}: {e}"
+                                  + (f"\n{indent(frames)}" if frames else "")) from e
             _record(exercise, True)
             print(f"[PASS] {exercise}")
 
@@ -100,6 +104,22 @@ def checker(exercise: str, *, in_process: bool = False) -> Callable:
         return run
 
     return wrap
+
+
+# In this process, torch's own frames are left out too: the line the learner can change is theirs.
+_NOT_THEIRS = ("course_utils/", f"{os.sep}torch{os.sep}", "/pytest/", "/_pytest/", "/pluggy/")
+
+
+def _own_frames(e: BaseException) -> str:
+    """The frames of the learner's code in ``e``'s traceback (file, line, source line), no others;
+    "" when none of theirs is in it (the error came from the checker's own calls)."""
+    text = "".join(traceback.format_exception(type(e), e, e.__traceback__, chain=False))
+    kept = drop_frames(text, _NOT_THEIRS).splitlines()
+    frames = [line for line in kept if line.strip().startswith("File ")]
+    if not frames or any(s in f for f in frames for s in _NOT_THEIRS):
+        return ""  # only the checker's or torch's frames: nothing of theirs to show
+    body = [line for line in kept if not line.startswith("Traceback") and line.startswith(" ")]
+    return "\n".join(line[2:] if line.startswith("  ") else line for line in body)
 
 
 def _record(exercise: str, passed: bool) -> None:

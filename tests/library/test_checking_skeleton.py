@@ -16,6 +16,7 @@ from course_utils.checking import (
     CollectiveSpy,
     Misconception,
     Outcome,
+    checker,
     judge,
     process_group,
     run_workers,
@@ -239,3 +240,23 @@ def test_a_failed_check_shows_its_message_in_jupyter_and_the_whole_traceback_on_
     assert line.endswith("CheckFailed\x1b[0m: [01.a training step] not done yet")
     monkeypatch.setenv("COURSE_TRACEBACKS", "full")
     assert not hasattr(e, "_render_traceback_")  # IPython then shows its usual traceback
+
+
+def _clips_the_method_not_its_parameters(model: torch.nn.Module) -> None:
+    model(torch.ones(2, 3)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters, 1.0)  # the learner's slip: no call
+
+
+def test_an_in_process_check_shows_the_learners_own_line_and_no_other_frame():
+    @checker("01.z in-process", in_process=True)
+    def check(step):
+        step(torch.nn.Linear(3, 1))
+
+    with pytest.raises(CheckFailed) as ei:
+        check(_clips_the_method_not_its_parameters)
+    text = str(ei.value)
+    assert "your code raised TypeError: 'method' object is not iterable" in text, text
+    assert f"{__file__}\", line" in text and "in _clips_the_method_not_its_parameters" in text, text
+    assert "clip_grad_norm_(model.parameters, 1.0)" in text, text
+    assert "course_utils" not in text and "torch/nn/utils" not in text and "harness.py" not in text, text
+
