@@ -92,6 +92,7 @@ class MoE(nn.Module):
         kept = r.idx[r.keep]
         self.stats = {"aux": load_balancing_loss(logits, r.idx, self.num_experts), "z": z_loss(logits),
                       "dropped": int((~r.keep).sum()),
+                      "routed": torch.bincount(r.idx.reshape(-1), minlength=self.num_experts),
                       "per_expert": torch.bincount(kept, minlength=self.num_experts)}
 
     def forward(self, x):
@@ -101,8 +102,8 @@ class MoE(nn.Module):
         y = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             token, slot = ((r.idx == e) & r.keep).nonzero(as_tuple=True)
-            if len(token):
-                y = y.index_add(0, token, r.gates[token, slot, None] * expert(x[token]))
+            # also with no token: every expert stays in the graph (DDP expects a gradient for each)
+            y = y.index_add(0, token, r.gates[token, slot, None] * expert(x[token]))
         return y
 
 
@@ -148,7 +149,7 @@ def dispatch_combine(x, routing, experts, group=None):
     recv = recv_counts.sum(1).tolist()
     inbox = AllToAll.apply(x[token], send, recv, group)
     chunks = inbox.split(recv_counts.reshape(-1).tolist())     # (rank 0, expert 0), (rank 0, expert 1), ...
-    done = torch.cat([experts[i % L](c) for i, c in enumerate(chunks)]) if len(inbox) else inbox * 0
+    done = torch.cat([experts[i % L](c) for i, c in enumerate(chunks)])  # also when all are empty
     back = AllToAll.apply(done, recv, send, group)
     weighted = routing.gates[token, slot, None] * back
     return torch.zeros_like(x).index_add(0, token, weighted)  # token ids scatter: the inverse permutation
@@ -221,9 +222,7 @@ def ep_parity(k=2, capacity_factor=1.0):
         for name, p in e.named_parameters():
             twin = ref.experts[ep.first + j].get_parameter(name)
             grads[f"expert {ep.first + j} {name}"] = (p.grad, twin.grad)
-    zero = torch.zeros(())  # an expert that received no token has no gradient (None) in one process
-    diffs = {n: (zero if a is None else a.cpu()).sub(zero if b is None else b.cpu()).abs().max().item()
-             for n, (a, b) in grads.items()}
+    diffs = {n: (a.cpu() - b.cpu()).abs().max().item() for n, (a, b) in grads.items()}
     diffs["output"] = (out - ref_out).abs().max().item()
     result = {"rank": rank, "diffs": diffs, "loss": (job_loss.item() / world, total / world),
               "dropped": (int(dropped.item()), ref_dropped), "backend": backend}

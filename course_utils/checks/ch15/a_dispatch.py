@@ -171,6 +171,11 @@ def _counts_exchanged(calls: list[dict]) -> bool:
     return False
 
 
+def _tokens_without_counts(calls: list[dict]) -> bool:
+    """Tokens (floats) were exchanged, and no counts before them."""
+    return any(c["float"] for c in calls) and not _counts_exchanged(calls)
+
+
 class _NoCounts(RuntimeError):
     """The learner's exchange failed, and no counts had been exchanged before it."""
 
@@ -192,8 +197,10 @@ def _probe(fn: Callable, rank: int, world: int, device: torch.device) -> dict:
     with CollectiveSpy(COLLECTIVES) as spy:
         try:
             y = fn(x, r, experts, None)
+        except NotImplementedError:
+            raise
         except Exception as e:
-            if not _counts_exchanged(_calls(spy)):
+            if _tokens_without_counts(_calls(spy)):
                 raise _NoCounts(f"{type(e).__name__}: {e}") from e
             raise
     y = y.detach()
@@ -223,8 +230,10 @@ def _worker(fn: Any) -> Outcome:
             with CollectiveSpy(COLLECTIVES) as spy:
                 try:
                     y = fn(x, r, local, None)
+                except NotImplementedError:
+                    raise
                 except Exception as e:
-                    if not _counts_exchanged(_calls(spy)):
+                    if _tokens_without_counts(_calls(spy)):
                         raise _NoCounts(f"{type(e).__name__}: {e}") from e
                     raise
                 if not isinstance(y, torch.Tensor) or y.shape != x.shape:

@@ -1,0 +1,237 @@
+"""Chapter 15: expert parallelism with data parallelism on one mesh, and the same loss curve from each layout.
+
+Workers import this file (``from ch15_mesh import mesh_grads, parity``); both need 4 ranks.
+
+- ``MoENet``: a small classifier around one MoE layer (embed, residual MoE, head).
+- ``reduce_grads(model, dp_group, world, expert_group)``: the gradient reduction of dp x ep: every
+  dense parameter (embed, head, router) averaged over all ranks, each expert over ``expert_group``.
+- ``mesh_grads()``: on a 2 x 2 (dp, ep) mesh, the gradients after one step with experts reduced over
+  the dp group (right) and over the ep group (wrong), each against one process.
+- ``parity(steps)``: the same model, seed and batches trained by one process, DDP, FSDP2, EP over 4
+  ranks and dp x ep on a 2 x 2 mesh; each configuration's loss per step.
+- ``simulate(dp, ep)``: one process plays rank 0 of a dp x ep job with torch's fake backend (a
+  simulation: nothing moves); each rank's all-to-all sizes and expert memory, from the routing.
+
+Every rank takes a quarter of each batch. Capacity and the load-balancing loss are computed per
+rank's tokens (as GShard does per group of tokens), so the one-process run goes through the same
+four quarters in turn and averages their losses: that is the job every layout must reproduce.
+"""
+
+import gc
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from ch15_moe import EPMoE, MoE, route
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from course_utils import backend_and_device
+from course_utils.data import make_dataset
+from course_utils.devices import process_group_kwargs
+from course_utils.workarounds import apply_all
+
+FEATURES, WIDTH, CLASSES, RANKS, BATCH, LR, AUX = 32, 16, 10, 4, 128, 0.2, 0.01
+MOE = dict(dim=WIDTH, hidden=32, num_experts=8, k=2, capacity_factor=1.25)
+
+
+class MoENet(nn.Module):
+    def __init__(self, moe):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            self.embed, self.head = nn.Linear(FEATURES, WIDTH), nn.Linear(WIDTH, CLASSES)
+        self.moe = moe
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(h + self.moe(h))
+
+
+def loss_of(model, x, y):
+    moe = model.module.moe if isinstance(model, DDP) else model.moe
+    return F.cross_entropy(model(x), y) + AUX * moe.stats["aux"]
+
+
+def batches(steps):
+    x, y = make_dataset(BATCH * steps, seed=15).tensors
+    return list(zip(x.split(BATCH), y.split(BATCH)))
+
+
+def quarter(t, r):
+    n = len(t) // RANKS
+    return t[r * n:(r + 1) * n]
+
+
+def is_expert(name):
+    return ".experts." in name
+
+
+def reduce_grads(model, world, expert_group=None):
+    """dp x ep's reduction: dense gradients over every rank, expert gradients over ``expert_group``.
+
+    Each rank's gradient comes from its own quarter's loss. A dense parameter has a copy on every
+    rank: sum over all of them. An expert's gradient already holds the share of every rank of its ep
+    group (the all-to-all's backward brought it); its copies on the other dp ranks hold the rest:
+    sum over ``expert_group``, the ranks that hold this expert (None: no other copy).  Then divide
+    by the number of ranks, for the mean over the four quarters.
+    """
+    for name, p in model.named_parameters():
+        if not is_expert(name):
+            dist.all_reduce(p.grad)
+        elif expert_group is not None:
+            dist.all_reduce(p.grad, group=expert_group)
+        p.grad /= world
+
+
+def _one_process(data):
+    model = MoENet(MoE(**MOE))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        total = 0.0
+        for r in range(RANKS):
+            loss = loss_of(model, quarter(x, r), quarter(y, r)) / RANKS
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+    return losses, model
+
+
+def _train(model, data, rank, after_backward=None):
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = loss_of(model, quarter(x, rank), quarter(y, rank))
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        seen = loss.detach().clone()
+        dist.all_reduce(seen)
+        losses.append(seen.item() / RANKS)
+    return losses
+
+
+def _expert_holders(mesh):
+    """The group of ranks that hold copies of this rank's experts: the dp group (same ep coordinate)."""
+    return mesh.get_group("dp")
+
+
+def mesh_grads():
+    """Worker: one step's gradients on a 2 x 2 (dp, ep) mesh, expert gradients reduced two ways."""
+    apply_all()  # WORKAROUND for a torch bug at exit (pytorch/pytorch#56297), not part of the algorithm
+    backend, device = backend_and_device()
+    dist.init_process_group(**process_group_kwargs(backend, device))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp", "ep"))
+    x, y = batches(1)[0]
+    _, ref = _one_process([(x, y)])  # ref's .grad: the job's gradients (the optimizer step changed only p)
+    out = {"rank": rank, "coordinate": mesh.get_coordinate(),
+           "dp group": dist.get_process_group_ranks(mesh.get_group("dp")),
+           "ep group": dist.get_process_group_ranks(mesh.get_group("ep"))}
+    for label, experts_over in (("experts over dp (right)", "dp"), ("experts over ep (wrong)", "ep")):
+        model = MoENet(EPMoE(group=mesh.get_group("ep"), **MOE)).to(device)
+        loss = loss_of(model, quarter(x, rank).to(device), quarter(y, rank).to(device))
+        loss.backward()
+        reduce_grads(model, world, mesh.get_group(experts_over))
+        worst = {"dense": 0.0, "experts": 0.0}
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            if is_expert(name):  # local expert j is expert first + j of the full layer
+                j = int(name.split(".")[2])
+                name = name.replace(f"experts.{j}.", f"experts.{model.moe.first + j}.")
+            d = (p.grad.cpu() - ref_params[name].grad).abs().max().item()
+            kind = "experts" if is_expert(name) else "dense"
+            worst[kind] = max(worst[kind], d)
+        out[label] = worst
+    gc.collect()
+    dist.destroy_process_group()
+    return out
+
+
+def parity(steps=6):
+    """Worker: the same MoE classifier trained by five layouts; rank 0 returns every loss curve."""
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    apply_all()  # WORKAROUND for a torch bug at exit (pytorch/pytorch#56297), not part of the algorithm
+    backend, device = backend_and_device()
+    dist.init_process_group(**process_group_kwargs(backend, device))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = [(x.to(device), y.to(device)) for x, y in batches(steps)]
+    curves = {"one process": _one_process([(x.cpu(), y.cpu()) for x, y in data])[0]}
+
+    ddp = DDP(MoENet(MoE(**MOE)).to(device))
+    curves["DDP"] = _train(ddp, data, rank)
+    del ddp
+    gc.collect()
+
+    mesh1 = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    m = MoENet(MoE(**MOE)).to(device)
+    fully_shard(m, mesh=mesh1)
+    curves["FSDP2"] = _train(m, data, rank)
+
+    ep = MoENet(EPMoE(**MOE)).to(device)  # experts over all 4 ranks: each expert has one copy
+    curves["EP (4)"] = _train(ep, data, rank, lambda: reduce_grads(ep, world))
+
+    mesh2 = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp", "ep"))
+    m2 = MoENet(EPMoE(group=mesh2.get_group("ep"), **MOE)).to(device)
+    curves["dp x ep (2 x 2)"] = _train(m2, data, rank,
+                                       lambda: reduce_grads(m2, world, _expert_holders(mesh2)))
+    gc.collect()
+    dist.destroy_process_group()
+    return curves if rank == 0 else None
+
+
+def simulate(dp=8, ep=8, experts=64, tokens=4096, dim=1024, hidden=2816, k=2, capacity_factor=1.25,
+             skew=0.0):
+    """Worker (1 process): rank 0 of a dp x ep job, simulated with torch's fake backend.
+
+    The fake backend (``FakeStore``, as in chapter 12) gives this process a world of dp * ep ranks,
+    so the mesh and its groups are the real job's; its collectives move nothing.  The sizes come
+    from routing: the router is replicated, so this process can route the tokens of every rank of
+    rank 0's ep group (random activations stand in for the model's; ``skew`` adds to the logits
+    of the first expert-parallel rank's experts).  Rows in bf16 (2 bytes per value).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    barrier = os.environ.pop("TORCH_DIST_INIT_BARRIER", None)  # the other ranks do not exist
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp * ep)
+    try:
+        mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
+        groups = {n: dist.get_process_group_ranks(mesh.get_group(n)) for n in ("dp", "ep")}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            router = nn.Linear(dim, experts, bias=False)
+        local = experts // ep
+        rows = torch.zeros(ep, ep, dtype=torch.long)  # rows[i, j]: ep rank i sends to ep rank j
+        dropped = 0
+        with torch.no_grad():
+            for i in range(ep):
+                g = torch.Generator().manual_seed(i)
+                logits = router(torch.randn(tokens, dim, generator=g))
+                logits[:, :local] += skew
+                r = route(logits, k, capacity_factor)
+                rows[i] = torch.bincount(r.idx[r.keep] // local, minlength=ep)
+                dropped += int((~r.keep).sum())
+        out_bytes = [(int(rows[i].sum()) - int(rows[i, i])) * dim * 2 for i in range(ep)]
+        in_bytes = [(int(rows[:, i].sum()) - int(rows[i, i])) * dim * 2 for i in range(ep)]
+        per_expert = 2 * dim * hidden + hidden + dim  # up and down weights and biases
+        expert_params = local * per_expert
+        # counts exchange of rank 0, through the fake backend (returns at once, nothing received)
+        counts = torch.zeros(experts, dtype=torch.long)
+        dist.all_to_all_single(torch.empty_like(counts), counts, group=mesh.get_group("ep"))
+        return {"groups": groups, "rows": rows.tolist(), "out_bytes": out_bytes, "in_bytes": in_bytes,
+                "expert_params": expert_params, "all_experts_params": experts * per_expert,
+                "router_params": dim * experts, "dropped": dropped, "assignments": ep * tokens * k,
+                "world": dist.get_world_size()}
+    finally:
+        dist.destroy_process_group()
+        if barrier is not None:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = barrier
