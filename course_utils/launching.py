@@ -12,6 +12,7 @@ from typing import Any
 
 from .monitor import display_factory
 from .workers import supervisor
+from .workers.errors import LaunchInterrupted
 
 __all__ = ["launch"]
 
@@ -72,5 +73,11 @@ def launch(
     WorkerTimeout
         Some ranks were still running after ``timeout`` seconds.
     """
-    return supervisor.launch(fn, nprocs, args=args, kwargs=kwargs, timeout=timeout, nnodes=nnodes, env=env,
-                             display=display_factory(display), finish_within=finish_within)
+    try:
+        return supervisor.launch(fn, nprocs, args=args, kwargs=kwargs, timeout=timeout, nnodes=nnodes,
+                                 env=env, display=display_factory(display), finish_within=finish_within)
+    except LaunchInterrupted:
+        raise
+    except KeyboardInterrupt:
+        # The workers are stopped and the display says so: one line, no frames of the launcher.
+        raise LaunchInterrupted("the launch was interrupted; every worker was stopped") from None

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 import signal
 from typing import Any
 
-__all__ = ["ECHO", "FailureKind", "RankResult", "RankFailure", "WorkerError", "WorkerTimeout", "indent"]
+__all__ = ["ECHO", "FailureKind", "RankResult", "RankFailure", "WorkerError", "WorkerTimeout",
+           "LaunchInterrupted", "indent"]
 
 # Messages that one rank's failure causes on its peers (a closed connection, a receive that timed
 # out): the root cause is on another rank.
@@ -151,3 +153,19 @@ class WorkerTimeout(WorkerError):
     def __init__(self, failures: dict[int, RankFailure], summary: str, early_finish: float | None = None):
         super().__init__(failures, summary)
         self.early_finish = early_finish
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """Ctrl-C (the notebook's "interrupt") stopped a launch: still a ``KeyboardInterrupt``.
+
+    Every worker has been stopped by the time it is raised, and the display already shows it; in
+    Jupyter it shows one line, not a traceback through the launcher (IPython asks an exception for
+    ``_render_traceback_``).  ``COURSE_TRACEBACKS=full`` in the kernel's environment shows the
+    whole traceback.
+    """
+
+    @property
+    def _render_traceback_(self):  # noqa: ANN202 - IPython's hook: a callable returning lines
+        if os.environ.get("COURSE_TRACEBACKS") == "full":
+            raise AttributeError("_render_traceback_")
+        return lambda: [f"\x1b[1;31mKeyboardInterrupt\x1b[0m: {self}"]

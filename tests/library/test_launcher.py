@@ -543,3 +543,34 @@ def test_init_is_a_barrier_so_a_rank_leaving_at_once_cannot_break_the_others():
 
     for _ in range(10):
         assert launch(init_and_leave, 4) == ["1"] * 4
+
+
+INTERRUPTED_IN_IPYTHON = """
+import os, signal, sys, threading, time
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+flag = sys.argv[1]
+shell.run_cell("from course_utils import launch\\nimport pathlib, time")
+shell.run_cell(f"def work():\\n    pathlib.Path({flag!r}).touch()\\n    time.sleep(120)\\n")
+
+def interrupt():
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=interrupt, daemon=True).start()
+print("=== cell", flush=True)
+result = shell.run_cell("launch(work, 2, timeout=300)")
+print("=== done", type(result.error_in_exec).__name__, flush=True)
+"""
+
+
+def test_an_interrupted_launch_shows_one_line_in_ipython_and_no_traceback(tmp_path):
+    p = subprocess.run([sys.executable, "-c", INTERRUPTED_IN_IPYTHON, str(tmp_path / "started")],
+                       capture_output=True, text=True, timeout=180)
+    out = p.stdout.split("=== cell", 1)[-1]
+    assert "=== done LaunchInterrupted" in out, p.stdout + p.stderr
+    shown = [line for line in out.splitlines() if line.strip() and not line.startswith("===")]
+    assert len(shown) == 1 and "KeyboardInterrupt" in shown[0] and "every worker was stopped" in shown[0], out
+    assert "course_utils" not in p.stdout + p.stderr and "Traceback" not in p.stdout + p.stderr
