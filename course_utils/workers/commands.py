@@ -59,6 +59,7 @@ class CommandFailed(RuntimeError):
 PR_SET_PDEATHSIG = 1
 _DRAIN = 2.0  # seconds the output of a command may go on arriving after its keeper exited
 _SCRATCH = "course-commands-"  # then the caller's pid: a folder whose owner died is swept away
+_LINE_BUFFERED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "line_buffered")
 # The keeper runs in a Python started with -I -S (a tenth of a second): it imports only this package.
 _KEEPER = ("import sys; sys.path.insert(0, {root!r}); "
            "from course_utils.workers.keeper import main; main()")
@@ -134,9 +135,11 @@ def run_commands(
         commands = {f"cmd{i}": c for i, c in enumerate(commands)}
     _sweep_stale_scratch()
     scratch = tempfile.mkdtemp(prefix=f"{_SCRATCH}{os.getpid()}-")
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=scratch)
+    full_env = dict(os.environ, TMPDIR=scratch)
     if env:
         full_env.update({k: str(v) for k, v in env.items()})
+    # Every Python process of a command writes whole lines, streamed as they come (see the file).
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (_LINE_BUFFERED, full_env.get("PYTHONPATH")) if p)
     procs: dict[str, subprocess.Popen] = {}  # each command's keeper
     outputs: dict[str, list[str]] = {n: [] for n in commands}
     splitters = {n: LineSplitter() for n in commands}

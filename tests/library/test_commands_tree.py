@@ -183,3 +183,28 @@ def test_the_scratch_folder_of_a_dead_caller_is_swept_on_the_next_call():
         for p in (stale, alive):
             if p.exists():
                 subprocess.run(["rm", "-rf", str(p)], check=True)
+
+
+PRINTER = """
+import sys, time
+me, start = sys.argv[1], float(sys.argv[2])
+while time.time() < start:  # both print at the same time
+    pass
+for i in range(N):
+    print(f"{me} line {i} = {i * 3}", flush=True)
+"""
+N = 20000
+
+
+def test_two_processes_sharing_the_output_never_merge_lines(two_busy_loops):
+    """As torchrun's workers do: two Python processes print into one pipe (chapter 00 showed
+    ``... = 3rank 1 of 2 ...`` when each print was two writes); also with PYTHONUNBUFFERED=1."""
+    code = PRINTER.replace("range(N)", f"range({N})")
+    expected = {f"{me} line {i} = {i * 3}" for me in "ab" for i in range(N)}
+    for env in ({}, {"PYTHONUNBUFFERED": "1"}):
+        start = time.time() + 3
+        both = f"{sys.executable} -c '{code}' a {start} & {sys.executable} -c '{code}' b {start} & wait"
+        (res,) = run_commands({"two": ["sh", "-c", both]}, timeout=120, echo=False, env=env)
+        lines = res.output.splitlines()
+        bad = [line for line in lines if line not in expected]
+        assert res.ok and not bad and len(lines) == 2 * N, (env, bad[:5], len(lines))
