@@ -100,7 +100,7 @@ def _local_qkv(rank, world, seq, layout, device, dim=DIM, heads=HEADS):
     return [t[:, :, idx].contiguous().to(device) for t in (q, k, v)]
 
 
-def overlap_and_balance(seq=1536, repeats=2, dim=64):
+def overlap_and_balance(seq=1536, repeats=3, dim=64):
     """Per configuration, the fastest of ``repeats`` forwards: events, work and step time per rank.
 
     The configurations take turns within each repeat, after one untimed forward of each, so that

@@ -105,6 +105,7 @@ WORLDS = (2, 4)
 TIMEOUT = 25.0  # seconds: a right answer takes well under one; a deadlock fails in this time
 ATOL = 1e-4
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+_HARMLESS = ("barrier", "monitored_barrier")  # they move no K or V
 _KIND = {"send": "sent", "isend": "sent", "recv": "received", "irecv": "received"}
 
 
@@ -170,7 +171,8 @@ def _messages(calls, rank: int) -> dict[str, int]:
 
 
 def _judge_traffic(rank: int, world: int, spy: CollectiveSpy, functional: list) -> str:
-    others = sorted({c.op for c in spy.calls if c.op not in P2P} | {name for name, _ in functional})
+    others = {c.op for c in spy.calls if c.op not in P2P + _HARMLESS} | {name for name, _ in functional}
+    others = sorted(others)
     if others:
         return (f"your code called {', '.join(others)}. {CATALOGUE.hint('kv_all_gathered')}.")
     messages = _messages([c for c in spy.calls if c.op in P2P], rank)

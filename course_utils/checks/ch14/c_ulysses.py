@@ -77,7 +77,7 @@ BATCH, HEADS, LOCAL_S, HEAD_DIM = 2, 8, 8, 8
 WORLDS = (2, 4)
 TIMEOUT = 30.0
 ATOL = 1e-4
-_ALLOWED = {"all_to_all_single", "all_to_all"}
+_ALLOWED = {"all_to_all_single", "all_to_all", "barrier", "monitored_barrier"}
 
 
 def _tensors(world: int):
