@@ -7,8 +7,10 @@ Workers import this file (``from ch15_mesh import mesh_grads, parity``); both ne
   dense parameter (embed, head, router) averaged over all ranks, each expert over ``expert_group``.
 - ``mesh_grads()``: on a 2 x 2 (dp, ep) mesh, the gradients after one step with experts reduced over
   the dp group (right) and over the ep group (wrong), each against one process.
-- ``parity(steps)``: the same model, seed and batches trained by one process, DDP, FSDP2, EP over 4
-  ranks and dp x ep on a 2 x 2 mesh; each configuration's loss per step.
+- ``parity(steps)``: the same model, seed and batches trained by one process, DDP, FSDP2, tensor
+  parallelism (embedding and head split), EP over 4 ranks and dp x ep on a 2 x 2 mesh; the losses.
+- ``parity_3d(steps)``: 8 ranks, dp x ep x tp on a 2 x 2 x 2 mesh (each expert split over tp), against
+  one process (tests/lessons/test_ch15_mesh.py runs it: 8 processes are too many for the lesson).
 - ``simulate(dp, ep)``: one process plays rank 0 of a dp x ep job with torch's fake backend (a
   simulation: nothing moves); each rank's all-to-all sizes and expert memory, from the routing.
 
@@ -28,6 +30,8 @@ from ch15_moe import EPMoE, MoE, route
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_utils import backend_and_device
@@ -71,25 +75,36 @@ def is_expert(name):
     return ".experts." in name
 
 
-def reduce_grads(model, world, expert_group=None):
+def reduce_grads(model, world, expert_group=None, tp=1):
     """dp x ep's reduction: dense gradients over every rank, expert gradients over ``expert_group``.
 
     Each rank's gradient comes from its own quarter's loss. A dense parameter has a copy on every
     rank: sum over all of them. An expert's gradient already holds the share of every rank of its ep
     group (the all-to-all's backward brought it); its copies on the other dp ranks hold the rest:
     sum over ``expert_group``, the ranks that hold this expert (None: no other copy).  Then divide
-    by the number of ranks, for the mean over the four quarters.
+    by the number of quarters each sum holds, for the mean over the batch: ``world`` for the dense
+    ones; with experts split over ``tp`` ranks (each pair sees the same quarter), ``world / tp``.
     """
     for name, p in model.named_parameters():
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # a TP shard: its local part
         if not is_expert(name):
-            dist.all_reduce(p.grad)
-        elif expert_group is not None:
-            dist.all_reduce(p.grad, group=expert_group)
-        p.grad /= world
+            dist.all_reduce(grad)
+            grad /= world
+        else:
+            if expert_group is not None:
+                dist.all_reduce(grad, group=expert_group)
+            grad /= world // tp
 
 
-def _one_process(data):
-    model = MoENet(MoE(**MOE))
+def split_experts(moe, tp_mesh):
+    """Tensor parallelism inside every expert (chapter 11's pair): up split by columns, down by rows."""
+    for expert in moe.experts:
+        parallelize_module(expert, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return moe
+
+
+def _all_quarters(model, data):
+    """One process's run: the four quarters of each batch in turn, their mean loss's gradient."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for x, y in data:
@@ -101,7 +116,12 @@ def _one_process(data):
             total += loss.item()
         opt.step()
         losses.append(total)
-    return losses, model
+    return losses
+
+
+def _one_process(data):
+    model = MoENet(MoE(**MOE))
+    return _all_quarters(model, data), model
 
 
 def _train(model, data, rank, after_backward=None):
@@ -177,6 +197,11 @@ def parity(steps=6):
     fully_shard(m, mesh=mesh1)
     curves["FSDP2"] = _train(m, data, rank)
 
+    tp1 = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+    gathered = ColwiseParallel(output_layouts=Replicate())  # each rank computes a quarter of the columns
+    tp_model = parallelize_module(MoENet(MoE(**MOE)).to(device), tp1, {"embed": gathered, "head": gathered})
+    curves["TP (4)"] = _all_quarters(tp_model, data)  # every rank sees the whole batch
+
     ep = MoENet(EPMoE(**MOE)).to(device)  # experts over all 4 ranks: each expert has one copy
     curves["EP (4)"] = _train(ep, data, rank, lambda: reduce_grads(ep, world))
 
@@ -184,6 +209,40 @@ def parity(steps=6):
     m2 = MoENet(EPMoE(group=mesh2.get_group("ep"), **MOE)).to(device)
     curves["dp x ep (2 x 2)"] = _train(m2, data, rank,
                                        lambda: reduce_grads(m2, world, _expert_holders(mesh2)))
+    gc.collect()
+    dist.destroy_process_group()
+    return curves if rank == 0 else None
+
+
+def parity_3d(steps=4):
+    """Worker (8 ranks): dp x ep x tp on a 2 x 2 x 2 mesh against one process; rank 0 returns both curves.
+
+    The two ranks of a tp pair hold halves of the same experts and see the same quarter of the batch;
+    the ep group (same dp and tp coordinates) exchanges tokens; the dp group holds copies.
+    """
+    apply_all()  # WORKAROUND for a torch bug at exit (pytorch/pytorch#56297), not part of the algorithm
+    backend, device = backend_and_device()
+    dist.init_process_group(**process_group_kwargs(backend, device))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    data = [(x.to(device), y.to(device)) for x, y in batches(steps)]
+    dp, ep = mesh.get_local_rank("dp"), mesh.get_local_rank("ep")
+    moe = split_experts(EPMoE(group=mesh.get_group("ep"), **MOE), mesh["tp"])
+    model = MoENet(moe).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        q = 2 * dp + ep  # this rank's quarter: the same for both ranks of a tp pair
+        loss = loss_of(model, quarter(x, q), quarter(y, q))
+        loss.backward()
+        reduce_grads(model, world, mesh.get_group("dp"), tp=2)
+        opt.step()
+        seen = loss.detach().clone()
+        dist.all_reduce(seen)
+        losses.append(seen.item() / world)
+    curves = {"one process": _one_process([(x.cpu(), y.cpu()) for x, y in data])[0],
+              "dp x ep x tp (2 x 2 x 2)": losses}
     gc.collect()
     dist.destroy_process_group()
     return curves if rank == 0 else None
