@@ -145,6 +145,9 @@ class DiLoCo:
         # one outer optimizer over all global copies: its momentum lives as long as training does
         self.outer = torch.optim.SGD([g for frag in self.globals for g in frag], lr=outer_lr,
                                      momentum=momentum, nesterov=momentum > 0)
+        if not 0 <= overlap < H:
+            raise ValueError(f"overlap={overlap}: a fragment's exchange must arrive before its next "
+                             f"one, so overlap < H={H}")
         self.H, self.group, self.comm, self.overlap = H, group, comm, overlap
         k = len(self.fragments)
         self.offsets = [((f + 1) * H // k) % H for f in range(k)]  # fragment f syncs at step % H == offset
@@ -165,6 +168,14 @@ class DiLoCo:
             finish()
             self._outer_step(f, pseudo)
         return sent
+
+    @torch.no_grad()
+    def flush(self):
+        """Finish the exchanges still under way (with ``overlap``, at the end of training)."""
+        for _, f, pseudo, finish in self.pending:
+            finish()
+            self._outer_step(f, pseudo)
+        self.pending.clear()
 
     def _outer_step(self, f, pseudo):
         for g, d in zip(self.globals[f], pseudo):
@@ -257,6 +268,8 @@ def run(cfg, device):
             div.append(_divergence(list(model.parameters())))
         if step % max(every, c["eval_every"]) == 0:
             evals.append((step, sent, _eval_loss(model, xe, ye)))
+    if hasattr(outer, "flush"):
+        outer.flush()  # no exchange may still be in flight when the next run starts
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     del net, opt, outer
     return {"cfg": c, "losses": losses, "evals": evals, "bytes": sent, "syncs": sent_log,

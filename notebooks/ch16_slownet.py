@@ -93,6 +93,8 @@ def measure(dev, rates_bps, H=16, ddp_steps=8, rounds=2, batch=32):
             rows.append({"rate_bps": rate, "times": times, "small_s": small})
     finally:
         ch10_slownet.unshape(dev)
+    for o in outer.values():
+        o.flush()  # the overlapped exchange still under way, if any
     params = sum(p.numel() for p in local["compute"].parameters())
     return {"rows": rows, "H": H, "params": params, "fragments": FRAGMENTS, "overlap": OVERLAP}
 
