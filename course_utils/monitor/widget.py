@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import math
+import threading
 import time
 
 from ..workers.errors import FailureKind
@@ -23,6 +24,15 @@ from .state import fmt_metrics, is_number, status_line
 __all__ = ["WidgetDisplay"]
 
 _GREEN, _RED = "#2e7d32", "#c62828"
+BEAT_S = 5.0    # while running, the header is redrawn this often from the kernel
+STALE_S = 20.0  # without a redraw for this long, the browser itself shows that the kernel is gone
+# A CSS animation that the browser runs by itself: each redraw of the header starts it again, so
+# its notice appears only when the kernel stopped redrawing (restarted, stopped or dead), instead
+# of the last "running ... s left" staying up as if the launch still ran.
+_STALE = ("<style>@keyframes course-stale {{from {{visibility: hidden}} to {{visibility: visible}}}}</style>"
+          "<span style='visibility: hidden; color: {red}; animation: course-stale 0.01s {delay:g}s forwards'>"
+          " · no news from the kernel for {delay:g} s: if it was restarted or stopped, this launch was "
+          "stopped with it</span><!-- {beat} -->")
 
 
 class WidgetDisplay(Recorder):
@@ -41,7 +51,9 @@ class WidgetDisplay(Recorder):
         import ipywidgets as w
         from IPython.display import display
 
-        self.header = w.HTML(value=f"<b>{world} rank{'s' if world != 1 else ''}</b>: running")
+        self._running = f"<b>{world} rank{'s' if world != 1 else ''}</b>: running"
+        self.beats = 0
+        self.header = w.HTML(value=self._running + self._stale_notice())
         # no total yet: the bar stays hidden and the metrics line counts the steps
         self.bars = [w.IntProgress(value=0, min=0, max=1, layout=w.Layout(width="40%", visibility="hidden"))
                      for _ in range(world)]
@@ -57,6 +69,29 @@ class WidgetDisplay(Recorder):
         self._plot_dirty = False
         self.redraws = 0  # live plot redraws (the final figure not counted)
         self._handle = display(self.box, display_id=True)
+        self._stop_beating = threading.Event()
+        self._beater = threading.Thread(target=self._beat, name="course-widget-beat", daemon=True)
+        self._beater.start()
+
+    def _stale_notice(self) -> str:
+        return _STALE.format(red=_RED, delay=STALE_S, beat=self.beats)
+
+    def _beat(self) -> None:
+        """Redraw the header every ``BEAT_S`` seconds while the launch runs (see ``_STALE``)."""
+        while not self._stop_beating.wait(BEAT_S):
+            self.beats += 1
+            try:
+                self.header.value = self._running + self._stale_notice()
+            except Exception:  # the widget was closed meanwhile
+                return
+
+    def _stop_beat(self) -> None:
+        self._stop_beating.set()
+        if self._beater is not threading.current_thread():
+            self._beater.join(timeout=BEAT_S)
+
+    def close(self) -> None:
+        self._stop_beat()
 
     def update(self, rank: int, metrics: dict) -> None:
         super().update(rank, metrics)
@@ -138,6 +173,7 @@ class WidgetDisplay(Recorder):
             return
         from IPython.display import display  # this display exists only in a Jupyter kernel
 
+        self._stop_beat()
         self._refresh(self.failures)
         bad = sorted(r for r, f in self.failures.items() if getattr(f, "kind", "") != FailureKind.STOPPED)
         self.header.value = (f"<b>{self.world} rank{'s' if self.world != 1 else ''}</b>: "

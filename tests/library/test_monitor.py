@@ -531,3 +531,25 @@ def test_the_live_pace_is_the_rate_between_the_first_and_latest_step_and_gives_t
     assert st.pace() == ""  # 0.1 s apart: too short to say
     st.add({"step": 21, "total": 41}, "loss")
     assert st.pace() == "10 steps/s, about 2 s left"  # 20 steps in 2 s, 20 to go
+
+
+def test_the_widget_header_says_so_by_itself_when_the_kernel_stops_redrawing_it(monkeypatch):
+    """After a kernel restart during a launch the widget stayed at 'running ... 44 s left': the
+    header carries a notice that the browser shows by itself (a CSS animation, delayed STALE_S)
+    unless the kernel redraws the header first, every BEAT_S seconds while the launch runs."""
+    from course_utils.monitor import widget
+
+    monkeypatch.setattr(widget, "BEAT_S", 0.05)
+    disp = monitor.WidgetDisplay(1)
+    first = disp.header.value
+    assert "animation: course-stale 0.01s 20s forwards" in first and "visibility: hidden" in first
+    assert "if it was restarted or stopped, this launch was stopped with it" in first
+    deadline = time.monotonic() + 30
+    while disp.beats < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert disp.beats >= 3 and disp.header.value != first  # a new value: the browser restarts the delay
+    disp.finish({})
+    beats = disp.beats
+    time.sleep(0.3)
+    assert disp.beats == beats and not disp._beater.is_alive()
+    assert "course-stale" not in disp.header.value and "finished" in disp.header.value
