@@ -45,6 +45,7 @@ def _save(root: str, seed: int, atomic: bool, kill_rank1: bool):
         step(model, opt, 0)
         msd, osd = get_state_dict(model, opt)
         if kill_rank1 and dist.get_rank() == 1:
+            _SAVE_STARTED.append(time.time())  # rank 0's file of *this* save is newer than this
             sys.addaudithook(_kill_when_rank0_has_written)
         if atomic:
             save_atomic({"model": msd, "optim": osd}, root)
@@ -53,18 +54,24 @@ def _save(root: str, seed: int, atomic: bool, kill_rank1: bool):
         return full_state(model, opt)["model"]
 
 
+_SAVE_STARTED: list[float] = []
+
+
 def _kill_when_rank0_has_written(event, args):
-    """On the open of this rank's shard file: wait for rank 0's file of the same save, then die."""
+    """On the open of this rank's shard file: wait until rank 0 has written its file of the same save
+    (newer than this save's start, and no longer changing), then die."""
     if event != "open" or not str(args[0]).endswith(".distcp") or "w" not in str(args[1]):
         return
-    mine = Path(str(args[0]))
-    theirs = mine.with_name("__0_0.distcp")
-    start = time.monotonic()
-    while time.monotonic() - start < 30:
-        if theirs.exists() and theirs.stat().st_mtime >= start - 60 and theirs.stat().st_size > 0:
-            size = theirs.stat().st_size
+    theirs = Path(str(args[0])).with_name("__0_0.distcp")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            st = theirs.stat()
+        except FileNotFoundError:
+            st = None
+        if st is not None and st.st_mtime > _SAVE_STARTED[0] and st.st_size > 0:
             time.sleep(0.3)
-            if theirs.stat().st_size == size:
+            if theirs.stat().st_mtime_ns == st.st_mtime_ns:
                 break
         time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGKILL)
