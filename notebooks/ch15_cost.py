@@ -11,6 +11,7 @@ Workers import this file (``from ch15_cost import ep_cost``); it needs 2 ranks.
    capacity large enough that nothing is dropped: step time (the slowest rank's), the processor
    time each rank spends in its experts' forward and in the whole step (the thread that runs
    forward and backward; gloo's own threads not counted), and the rows its token all-to-alls send;
+   (On a GPU the processor time counts only the kernel launches: read the wall-clock step there.)
 3. replays those four exchanges with the same split sizes, timed, beside the fit's prediction
    (an exchange lasts about alpha + (the larger of the bytes out and the bytes in) / beta).
 """
@@ -37,8 +38,8 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _slowest(seconds):
-    t = torch.tensor(seconds, dtype=torch.float64)
+def _slowest(seconds, device):
+    t = torch.tensor(seconds, dtype=torch.float64, device=device)  # on the GPU with NCCL
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank does
     return t.tolist()
 
@@ -87,7 +88,7 @@ def ep_cost(tokens=1024, rounds=7):
             fit[r].append(_time_exchange([r // 2, r // 2], [r // 2, r // 2], device))
     leaving = [r // 2 * DIM * 4 for r in FIT_ROWS]
     # the fastest round: on a machine shared with other work, waiting for a core only adds time
-    med = _slowest([min(fit[r]) for r in FIT_ROWS])
+    med = _slowest([min(fit[r]) for r in FIT_ROWS], device)
     alpha, beta = fit_alpha_beta(leaving, med, world=2)  # ring_factor(2) = 1: the line t = alpha + S / beta
 
     # 2. one EP layer, balanced and skewed router; nothing dropped (capacity = every token)
@@ -122,16 +123,16 @@ def ep_cost(tokens=1024, rounds=7):
             expert_s[label].append(clock[0])
             counts = layer.stats["per_expert"].view(world, -1).sum(1)
             sent_rows[label] = int(counts[other])
-    step_med = {lab: _slowest([statistics.median(v)])[0] for lab, v in steps.items()}
+    step_med = {lab: _slowest([statistics.median(v)], device)[0] for lab, v in steps.items()}
     expert_med = {lab: statistics.median(v) for lab, v in expert_s.items()}
     cpu_med = {lab: statistics.median(v) for lab, v in cpu_s.items()}
     both = torch.tensor([[expert_med["balanced"], expert_med["skewed"]],
-                         [cpu_med["balanced"], cpu_med["skewed"]]], dtype=torch.float64)
+                         [cpu_med["balanced"], cpu_med["skewed"]]], dtype=torch.float64, device=device)
     everyone = [torch.zeros_like(both) for _ in range(world)]
     dist.all_gather(everyone, both)
 
     # 3. the same four exchanges replayed: rows out to the other rank, rows in from it
-    out_rows = torch.tensor([sent_rows["balanced"], sent_rows["skewed"]])
+    out_rows = torch.tensor([sent_rows["balanced"], sent_rows["skewed"]], device=device)
     peer = [torch.zeros_like(out_rows) for _ in range(world)]
     dist.all_gather(peer, out_rows)
     replay = {}
@@ -140,8 +141,8 @@ def ep_cost(tokens=1024, rounds=7):
         send, recv = [0, 0], [0, 0]
         send[other], recv[other] = mine, theirs
         # forward: tokens out (mine), outputs back (theirs); backward: the same two, reversed
-        there = _slowest([min(_time_exchange(send, recv, device) for _ in range(rounds))])[0]
-        back = _slowest([min(_time_exchange(recv, send, device) for _ in range(rounds))])[0]
+        there = _slowest([min(_time_exchange(send, recv, device) for _ in range(rounds))], device)[0]
+        back = _slowest([min(_time_exchange(recv, send, device) for _ in range(rounds))], device)[0]
         # both directions at once: an exchange lasts as long as its larger direction
         pred = 4 * (alpha + max(mine, theirs) * DIM * 4 / beta)
         replay[label] = {"measured_s": 2 * (there + back), "predicted_s": pred,
