@@ -13,11 +13,17 @@ __all__ = ["apply_all", "import_dynamo_before_init"]
 def import_dynamo_before_init() -> None:
     """Import ``torch._dynamo`` before the process group exists.
 
-    ``DistributedDataParallel``'s constructor imports ``torch._dynamo``.  When that first import
-    happens after a gloo process group was created, workers under ``torchrun`` (torch 2.13, CPU)
-    sometimes abort at interpreter exit while the group is torn down: 7 of 16 runs of chapter 04's
-    script, 0 of 16 with the import done first.  Gloo's shutdown ordering problems are tracked
-    upstream in https://github.com/pytorch/pytorch/issues/56297.
+    ``DistributedDataParallel``'s constructor imports ``torch._dynamo`` (so does every
+    ``torch.optim`` constructor, through ``torch._disable_dynamo``), and ``torch._dynamo`` imports
+    ``torch.distributed.nn.functional``, which binds ``group.WORLD`` as the default argument of ten
+    functions.  Imported after a gloo group was created, those defaults hold that group forever:
+    ``destroy_process_group()`` cannot free it, gloo's worker threads run on until the interpreter
+    exits, and one of them may then drop the last reference to a work object started during
+    backward, whose destructor needs the GIL; Python ends the thread inside that destructor and the
+    process aborts ("terminate called without an active exception").  Workers under ``torchrun``
+    (torch 2.13, CPU): 7 of 16 runs of chapter 04's script aborted, 0 of 16 with the import done
+    first.  ``benchmarks/gloo_teardown_minimal.py`` shows it with torch alone.  Gloo's shutdown
+    ordering problems are tracked upstream in https://github.com/pytorch/pytorch/issues/56297.
     """
     import torch._dynamo  # noqa: F401  (the import itself is the workaround)
 
