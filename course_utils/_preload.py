@@ -2,6 +2,13 @@
 
 import gc
 import os
+import signal
+
+# Jupyter interrupts the kernel's whole process group (SIGINT) when it shuts a kernel down, and this
+# process is in it: during the imports below (seconds) that printed a KeyboardInterrupt traceback on
+# the terminal that started Jupyter.  multiprocessing's fork server ignores SIGINT once it serves;
+# this makes it ignore SIGINT from its start.  (The kernel's death still ends it: see prewarm.py.)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 # This process is the fork server: it must never start one itself (see workers/prewarm.py).
 # Workers do not inherit this: they take the launching kernel's environment.
