@@ -31,20 +31,29 @@ PIP_OFFLINE := $(if $(WHEELS),PIP_NO_INDEX=1 PIP_FIND_LINKS="$(abspath $(WHEELS)
 
 # The environment in three steps: .venv with torch (the build tools/which_torch.py chooses), then
 # the course with what it needs (`make lab`), or with the test tools too (`make test`, one install).
+# pip runs through tools/quiet_pip.py: each download with its size and, when large, its progress;
+# the long steps named; errors in full; the rest (packages already there, configured indexes that
+# lack a package, setuptools' notices from the editable build) hidden.
+PIP_INSTALL = $(BIN)/python tools/quiet_pip.py $(BIN)/pip install
+
 $(BIN)/.torch:
-	$(PYTHON) -m venv $(VENV)
-	$(PIP_OFFLINE) $(BIN)/pip install --quiet --upgrade pip
-	$(PIP_OFFLINE) $(BIN)/pip install --quiet $$($(BIN)/python $(WHICH_TORCH) --pip-args)
-	touch $@
+	@echo "Creating $(VENV) with $(PYTHON)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PIP_OFFLINE) $(PIP_INSTALL) --upgrade pip
+	@echo "Installing torch"
+	@$(PIP_OFFLINE) $(PIP_INSTALL) $$($(BIN)/python $(WHICH_TORCH) --pip-args)
+	@touch $@
 
 $(BIN)/.installed: $(BIN)/.torch pyproject.toml
-	$(PIP_OFFLINE) $(BIN)/pip install --quiet -e .
-	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
-	touch $@
+	@echo "Installing the course and what it needs (JupyterLab, ...)"
+	@$(PIP_OFFLINE) $(PIP_INSTALL) -e .
+	@$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	@touch $@
 
 # The learner's install and pyproject's `test` extra (pytest, nbval, ruff, playwright...).
 $(BIN)/.installed-test: $(BIN)/.torch pyproject.toml
-	$(PIP_OFFLINE) $(BIN)/pip install --quiet -e ".[test]"
+	@echo "Installing the course, what it needs and the test tools"
+	@$(PIP_OFFLINE) $(PIP_INSTALL) -e ".[test]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(BIN)/.installed $@
 
@@ -55,8 +64,10 @@ wheelhouse: $(BIN)/.installed
 	$(BIN)/pip download --quiet --dest "$(WHEELHOUSE)" pip setuptools "$(TORCH_SPEC)" ".[test]"
 	du -sh "$(WHEELHOUSE)"
 
+# No language-server search: the course installs none, and its "skipped" list filled 19 lines.
 lab: $(BIN)/.installed
-	$(BIN)/jupyter lab $(LAB_FLAGS) --notebook-dir=. notebooks/00_setup.ipynb
+	$(BIN)/jupyter lab $(LAB_FLAGS) --LanguageServerManager.autodetect=False --notebook-dir=. \
+		notebooks/00_setup.ipynb
 
 # Ruff over the package, tests, benchmarks, tools, scripts and the notebooks' code (rules in pyproject.toml).
 lint: $(BIN)/.installed-test
