@@ -104,9 +104,9 @@ class Filter:
             self.download, self.shown_pct = name, -1
             return
         if line.startswith("Installing collected packages:"):
-            count = len([p for p in line.split(":", 1)[1].split(",") if p.strip()])
-            self._say(f"  installing {count} package{'s' if count != 1 else ''} (unpacking torch takes "
-                      "a while)")
+            names = [p.strip() for p in line.split(":", 1)[1].split(",") if p.strip()]
+            slow = " (unpacking torch takes a while)" if "torch" in names else ""
+            self._say(f"  installing {len(names)} package{'s' if len(names) != 1 else ''}{slow}")
             return
         if line.startswith("Successfully installed"):
             count = len(line.split()) - 2

@@ -132,8 +132,7 @@ def test_real_pip_installs_quietly_and_its_failure_is_shown(tmp_path):
     p = _run("--find-links", str(tmp_path), "--extra-index-url", f"file://{tmp_path}/no-index",
              "--target", str(tmp_path / "site"), "tiny-course-probe")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.splitlines() == ["  installing 1 package (unpacking torch takes a while)",
-                                     "  installed 1 package"], p.stdout
+    assert p.stdout.splitlines() == ["  installing 1 package", "  installed 1 package"], p.stdout
     assert (tmp_path / "site" / "tiny_course_probe.py").exists()
     p = _run("--find-links", str(tmp_path), "--target", str(tmp_path / "site2"), "no-such-course-package")
     assert p.returncode == 1, p.stdout
