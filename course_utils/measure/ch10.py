@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..checking import CheckFailed, CollectiveSpy, Outcome, process_group, require_callable, run_workers
 from ..data import make_dataset, make_model
 
-__all__ = ["ring_factor", "fit_alpha_beta", "allreduce_seconds", "measured_rounds",
+__all__ = ["ring_factor", "fit_alpha_beta", "fit_alpha_beta_relative", "allreduce_seconds", "measured_rounds",
            "compare_bucketed_speed", "speed_verdict", "measure_sharded_memory", "optimizers_in",
            "note_sharded_verdict"]
 
@@ -55,6 +55,20 @@ def fit_alpha_beta(sizes: list[int], seconds: list[float], world: int) -> tuple[
     slope = sum((a - mx) * (t - mt) for a, t in zip(xs, seconds)) / sum((a - mx) ** 2 for a in xs)
     slope = max(slope, 1e-15)
     return max(mt - slope * mx, 0.0), 1.0 / slope
+
+
+def fit_alpha_beta_relative(sizes: list[int], seconds: list[float], world: int) -> tuple[float, float]:
+    """α (s) and β (bytes/s) of t = α + 2(N-1)/N · S / β fitted on *relative* error: least squares
+    weighted by 1/t², so that a small message's 0.3 ms counts as much as a large one's 10 ms.  The
+    plain fit (``fit_alpha_beta``) lets the largest times set the line, and its intercept α can
+    land far from what a small call costs."""
+    xs = [ring_factor(world) * s for s in sizes]
+    w = [1.0 / t**2 for t in seconds]
+    sw, sx, st = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * t for wi, t in zip(w, seconds))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxt = sum(wi * x * t for wi, x, t in zip(w, xs, seconds))
+    slope = max((sw * sxt - sx * st) / (sw * sxx - sx * sx), 1e-15)
+    return max((st - slope * sx) / sw, 0.0), 1.0 / slope
 
 
 def allreduce_seconds(sizes: list[int], groups: list[list[int]] = (), rounds: int = 7,

@@ -598,3 +598,20 @@ def test_sharded_optimizer_checkpoint_resumes_where_it_stopped():
         for name, want in d["straight"].items():
             assert torch.equal(d["resumed"][name], want), name
 
+
+
+def test_relative_fit_keeps_alpha_near_a_small_calls_cost():
+    """One large call 0.4 ms slow (a busy moment): the plain least-squares line follows it and its
+    intercept lands far from the small calls' cost; the fit on relative error barely moves."""
+    from course_utils.measure.ch10 import fit_alpha_beta, fit_alpha_beta_relative
+
+    sizes = [2**k for k in range(12, 23, 2)]
+    alpha, beta = 100e-6, 2e9
+    seconds = [alpha + ring_factor(2) * s / beta + (400e-6 if s == 2**20 else 0.0) for s in sizes]
+    plain_alpha, _ = fit_alpha_beta(sizes, seconds, 2)
+    relative_alpha, _ = fit_alpha_beta_relative(sizes, seconds, 2)
+    assert abs(relative_alpha - alpha) < 0.1 * alpha
+    assert abs(plain_alpha - alpha) > 0.5 * alpha  # 163 us
+    exact = [alpha + ring_factor(2) * s / beta for s in sizes]
+    a, b = fit_alpha_beta_relative(sizes, exact, 2)
+    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(beta, rel=1e-9)
