@@ -189,7 +189,7 @@ def test_a_preemption_warning_stops_every_rank_after_the_same_step_and_resumes_e
                         "--steps", "16", "--save-every", "5", "--log-every", "0"]
     ckpt = ["--ckpt", str(job / "ckpt.pt")]
     env = dict(os.environ, **QUIET)
-    first = subprocess.Popen(agent + ckpt + ["--step-time", "0.2"], cwd=NOTEBOOKS, env=env,
+    first = subprocess.Popen(agent + ckpt + ["--step-time", "0.4"], cwd=NOTEBOOKS, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:

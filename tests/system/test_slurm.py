@@ -126,7 +126,7 @@ def test_torchrun_template_trains_on_two_nodes_with_the_cpus_it_asked_for(uninte
 
 
 def test_requeued_job_resumes_from_its_checkpoint_and_ends_equal(cluster, work, uninterrupted):
-    job = _submit(cluster, work, "ch06_slurm.sbatch", "requeued", "--step-time", "0.15")
+    job = _submit(cluster, work, "ch06_slurm.sbatch", "requeued", "--step-time", "0.4")
     log_path = work / f"requeued-{job}.out"
     deadline = time.monotonic() + 90
     while "step  10  checkpoint saved" not in (log_path.read_text() if log_path.exists() else ""):
@@ -151,7 +151,9 @@ def _log_of(path):
 
 
 def test_a_preemption_warning_saves_requeues_and_resumes_equal(cluster, work, uninterrupted):
-    job = _submit(cluster, work, "ch06_slurm.sbatch", "warned", "--step-time", "0.15")
+    # 0.4 s a step in the first run: 6 s of training left after step 5 for the warning to arrive
+    # (it took less than one 0.2 s step at a load of 12); the run stops early, so it costs little.
+    job = _submit(cluster, work, "ch06_slurm.sbatch", "warned", "--step-time", "0.4")
     log_path = work / f"warned-{job}.out"
     deadline = time.monotonic() + 90
     while "step   5  checkpoint saved" not in _log_of(log_path):
