@@ -36,7 +36,7 @@ _HIDDEN = re.compile(
     r"Obtaining |Installing build dependencies|Checking if build backend|Getting requirements|"
     r"Preparing (editable )?metadata|Created wheel|Stored in directory|Attempting uninstall|"
     r"Found existing installation|Uninstalling |Successfully uninstalled|Building wheels? for|"
-    r"Processing |Downloading .* \(from |  Link requires)"
+    r"Processing |Downloading .* \(from |  Link requires|Building editable for|Successfully built )"
     r"|^WARNING: Location '.*' is ignored"
     r"|^WARNING: Running pip as the 'root' user"
     r"|^\[notice\]"
@@ -112,7 +112,7 @@ class Filter:
             count = len(line.split()) - 2
             self._say(f"  installed {count} package{'s' if count != 1 else ''}")
             return
-        if line.lstrip().startswith("Building editable for"):
+        if line.lstrip().startswith("Building editable for") and line.rstrip().endswith("started"):
             self._say("  building the course's package (an editable install of this folder)")
             return
         if _HIDDEN.search(line) or set(line.strip()) <= set("*"):

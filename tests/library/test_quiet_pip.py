@@ -49,6 +49,8 @@ Obtaining file:///work/course
 !!
   corresp(dist, value, root_dir)
 Building editable for course-utils (pyproject.toml): started
+Building editable for course-utils (pyproject.toml): finished with status 'done'
+Successfully built course-utils
 Installing collected packages: sympy, torch, course-utils
 Successfully installed course-utils-0.1 sympy-1.14.0 torch-2.13.0+cpu
 WARNING: Running pip as the 'root' user can result in broken permissions and conflicting behaviour
