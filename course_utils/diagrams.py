@@ -9,7 +9,7 @@ screen reader reads the text; a saved notebook keeps both):
 - ``ddp_overlap(buckets)``: DDP's bucket all-reduces overlapping the backward pass (chapter 04)
 - ``column_row_parallel()``: a column-parallel then a row-parallel linear layer (chapter 11)
 - ``pipeline_schedules(stages, micro)``: GPipe against 1F1B, stage by stage (chapter 12)
-- ``mesh_groups(rows, cols)``: the process groups of a 2-D device mesh (chapter 12)
+- ``mesh_groups(rows, cols, names)``: the process groups of a 2-D device mesh (chapter 12)
 """
 
 from __future__ import annotations
@@ -258,25 +258,27 @@ def pipeline_schedules(stages: int = 4, micro: int = 8) -> Figure:
     return fig
 
 
-def mesh_groups(rows: int = 2, cols: int = 4) -> Figure:
-    """A rows x cols mesh of ranks: each row is one group of the second dimension (e.g. TP), each
-    column one group of the first (e.g. data parallel / FSDP)."""
-    fig, ax = plt.subplots(figsize=(1.3 * cols + 2.5, 1.2 * rows + 1.2))
+def mesh_groups(rows: int = 2, cols: int = 4, names: tuple[str, str] = ("dp", "tp")) -> Figure:
+    """A rows x cols mesh of ranks, dimensions named ``names``: each row is one group of the second
+    dimension (``names[1]``, e.g. tensor parallelism), each column one group of the first (``names[0]``,
+    e.g. data parallelism or FSDP)."""
+    fig, ax = plt.subplots(figsize=(1.3 * cols + 3.0, 1.2 * rows + 1.2))
     for i in range(rows):
         y = rows - 1 - i
-        ax.add_patch(Rectangle((-0.1, y - 0.05), cols + 0.2 - 0.2, 0.9, facecolor=_RANK_COLOURS[i],
-                               alpha=0.15, edgecolor="none"))
-        ax.text(cols + 0.05, y + 0.4, f"row group {i}: ranks {[i * cols + j for j in range(cols)]}",
+        ax.add_patch(Rectangle((-0.1, y - 0.05), cols, 0.9, facecolor=_RANK_COLOURS[i], alpha=0.15,
+                               edgecolor="none"))
+        ax.text(cols + 0.05, y + 0.4, f"{names[1]} group: ranks {[i * cols + j for j in range(cols)]}",
                 fontsize=8, va="center")
         for j in range(cols):
             _box(ax, j, y, 0.8, 0.8, f"{i * cols + j}", face="white", fontsize=10)
     for j in range(cols):
         ax.add_patch(Rectangle((j - 0.06, -0.06), 0.92, rows - 0.2 + 0.12, fill=False, ls="--",
                                edgecolor="grey"))
-    ax.text(0, -0.45, "dashed: the column groups (dimension 0), e.g. ranks "
-            f"{[i * cols for i in range(rows)]} form one", fontsize=8)
-    ax.set_xlim(-0.3, cols + 3.2)
+    ax.text(0, -0.45, f"dashed: the {names[0]} groups, one per column, e.g. ranks "
+            f"{[i * cols for i in range(rows)]}", fontsize=8)
+    ax.set_xlim(-0.3, cols + 3.4)
     ax.set_ylim(-0.7, rows + 0.1)
     ax.axis("off")
-    ax.set_title(f"A {rows} x {cols} device mesh: rank = row x {cols} + column", fontsize=10)
+    ax.set_title(f"A {rows} x {cols} device mesh ({names[0]}, {names[1]}): rank = {names[0]} index x {cols} "
+                 f"+ {names[1]} index", fontsize=10)
     return fig
