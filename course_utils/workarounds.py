@@ -22,7 +22,7 @@ def import_dynamo_before_init() -> None:
     backward, whose destructor needs the GIL; Python ends the thread inside that destructor and the
     process aborts ("terminate called without an active exception").  Workers under ``torchrun``
     (torch 2.13, CPU): 7 of 16 runs of chapter 04's script aborted, 0 of 16 with the import done
-    first.  ``benchmarks/gloo_teardown_minimal.py`` shows it with torch alone.  Gloo's shutdown
+    first.  ``benchmarks/ddp_teardown.py --cls none`` shows it with torch's DDP alone.  Gloo's shutdown
     ordering problems are tracked upstream in https://github.com/pytorch/pytorch/issues/56297.
     """
     import torch._dynamo  # noqa: F401  (the import itself is the workaround)

@@ -10,6 +10,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fsdp_coll
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -60,7 +61,20 @@ def memory_and_comm(hidden=512, steps=3, batch=32):
     params = list(ddp.module.parameters())
     out["DDP"] = (_nbytes(params), _nbytes([p.grad for p in params]), _state_bytes(opt))
     reference = {n: p.detach().cpu().clone() for n, p in ddp.module.named_parameters()}
+    # DDP's reducer also keeps flat bucket buffers, as large as all gradients together: a second
+    # copy, since .grad are tensors of their own unless gradient_as_bucket_view=True
+    bucket_bytes = sum(int(b) for b in ddp._get_ddp_logging_data()["bucket_sizes"].split(","))
+    own_storages = len({p.grad.untyped_storage().data_ptr() for p in params})
     del ddp, opt
+
+    ddp = DDP(copy.deepcopy(base), device_ids=ids, gradient_as_bucket_view=True)
+    opt = torch.optim.AdamW(ddp.parameters(), **KW)
+    _train(ddp, opt, batches)  # the gradients become views after the first step
+    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                for g in (p.grad for p in ddp.module.parameters())}
+    views = {"grads": len(params), "own_storages": own_storages, "view_storages": len(storages),
+             "view_bytes": sum(storages.values())}
+    del ddp, opt, storages
 
     ddp = DDP(copy.deepcopy(base), device_ids=ids)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **KW)
@@ -86,11 +100,14 @@ def memory_and_comm(hidden=512, steps=3, batch=32):
 
     fsdp_coll.DefaultAllGather.__call__ = all_gather
     fsdp_coll.DefaultReduceScatter.__call__ = reduce_scatter
+    # The mesh on the device the ranks use: without one, fully_shard builds its mesh on the
+    # machine's accelerator (torch._C._get_accelerator()), a GPU even where these ranks run on CPU
+    mesh = init_device_mesh(device.type, (world,))
     model = copy.deepcopy(base)
     for layer in model.net:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)  # one unit per layer: gathered just before it runs
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)  # one unit per layer: gathered just before it runs
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), **KW)
     _train(model, opt, batches)
     params = list(model.parameters())
@@ -101,4 +118,4 @@ def memory_and_comm(hidden=512, steps=3, batch=32):
     dist.destroy_process_group()
     return {"memory": out, "zero_diff": zero_diff, "fsdp_diff": fsdp_diff, "steps": steps,
             "fsdp_comm": {k: (c // steps, b // steps) for k, (c, b) in counts.items()},
-            "param_bytes": _nbytes(base.parameters())}
+            "param_bytes": _nbytes(base.parameters()), "bucket_bytes": bucket_bytes, "views": views}

@@ -126,8 +126,11 @@ def measure(dev, rates_bps, steps=7, hidden=512, batch=64, fail_after_shaping=Fa
                 with models["none"].no_sync():
                     times["compute"].append(_step(models["none"], x, y))
             med = {k: statistics.median(v) for k, v in times.items()}
+            # the spread of the steps (third minus first quartile), to tell a difference from noise
+            spread = {k: (lambda q: q[2] - q[0])(statistics.quantiles(v, n=4)) for k, v in times.items()
+                      if k != "compute"}
             rows.append({"rate_bps": rate, "probe_bytes": nbytes, "probe_s": probe_s, "small_s": small_s,
-                         "compute_s": med.pop("compute"), "step_s": med})
+                         "compute_s": med.pop("compute"), "step_s": med, "spread_s": spread})
     finally:
         unshape(dev)
     del models

@@ -1,6 +1,6 @@
 """solutions/mini_ddp.py dropped into someone else's training script: no abort at interpreter exit.
 
-The mechanism (``benchmarks/gloo_teardown_minimal.py`` shows it with torch alone): an all-reduce
+The mechanism (``benchmarks/ddp_teardown.py --cls none`` shows it with torch's DDP alone): an all-reduce
 started during backward holds Python state, so whoever drops the last reference to its handle needs
 the GIL.  When gloo's worker thread drops it while the interpreter exits, Python ends that thread
 inside a C++ destructor and the process aborts.  Gloo's threads are still there at exit whenever
