@@ -244,9 +244,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     local[key] = value
         loss = self.local.step(closure)
-        for group in self.param_groups:
-            for p in group["params"]:
-                dist.broadcast(p, src=self.owner[p])
+        handles = [dist.broadcast(p, src=self.owner[p], async_op=True)
+                   for group in self.param_groups for p in group["params"]]
+        for handle in handles:  # the same broadcasts, in the same order, on every rank
+            handle.wait()
+        self._finished = handles  # kept until the next step, as the DDP classes above keep theirs
         return loss
         ### END SOLUTION
 
