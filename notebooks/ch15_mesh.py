@@ -1,6 +1,7 @@
 """Chapter 15: expert parallelism with data parallelism on one mesh, and the same loss curve from each layout.
 
-Workers import this file (``from ch15_mesh import mesh_grads, parity``); both need 4 ranks.
+Workers import this file (``from ch15_mesh import mesh_grads, parity, cp_parity``); the first two
+need 4 ranks, ``cp_parity`` 2 or 4.
 
 - ``MoENet``: a small classifier around one MoE layer (embed, residual MoE, head).
 - ``reduce_grads(model, dp_group, world, expert_group)``: the gradient reduction of dp x ep: every
@@ -8,9 +9,14 @@ Workers import this file (``from ch15_mesh import mesh_grads, parity``); both ne
 - ``mesh_grads()``: on a 2 x 2 (dp, ep) mesh, the gradients after one step with experts reduced over
   the dp group (right) and over the ep group (wrong), each against one process.
 - ``parity(steps)``: the same model, seed and batches trained by one process, DDP, FSDP2, tensor
-  parallelism (embedding and head split), EP over 4 ranks and dp x ep on a 2 x 2 mesh; the losses.
+  parallelism (embedding and head split), EP over 4 ranks, dp x ep on a 2 x 2 mesh, a pipeline of
+  2 stages (``pipeline_rows``: alone, and dp x pp on a 2 x 2 mesh); the losses.  And the pipeline
+  whose balancing loss adds its value at the last stage only: its router's gradient, off.
 - ``parity_3d(steps)``: 8 ranks, dp x ep x tp on a 2 x 2 x 2 mesh (each expert split over tp), against
   one process (tests/lessons/test_ch15_mesh.py runs it: 8 processes are too many for the lesson).
+- ``cp_parity(steps)``: ``AttnMoE``, causal attention and the MoE layer over a sequence, with the
+  sequence split over the ranks by chapter 14's ring attention (experts replicated, or spread over
+  the same ranks), against one process.
 - ``simulate(dp, ep)``: one process plays rank 0 of a dp x ep job with torch's fake backend (a
   simulation: nothing moves); each rank's all-to-all sizes and expert memory, from the routing.
 
@@ -178,7 +184,7 @@ def mesh_grads():
 
 
 def parity(steps=6):
-    """Worker: the same MoE classifier trained by five layouts; rank 0 returns every loss curve."""
+    """Worker: the same MoE classifier trained by 8 layouts; rank 0 returns the curves and the PP check."""
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     apply_all()  # WORKAROUND for a torch bug at exit (pytorch/pytorch#56297), not part of the algorithm
     backend, device = backend_and_device()
@@ -209,9 +215,11 @@ def parity(steps=6):
     m2 = MoENet(EPMoE(group=mesh2.get_group("ep"), **MOE)).to(device)
     curves["dp x ep (2 x 2)"] = _train(m2, data, rank,
                                        lambda: reduce_grads(m2, world, _expert_holders(mesh2)))
+    pipelined, router = pipeline_rows(data, rank, device)  # defined below, with the pipeline
+    curves.update(pipelined)
     gc.collect()
     dist.destroy_process_group()
-    return curves if rank == 0 else None
+    return {"curves": curves, "PP router gradient": router} if rank == 0 else None
 
 
 def parity_3d(steps=4):
@@ -294,3 +302,185 @@ def simulate(dp=8, ep=8, experts=64, tokens=4096, dim=1024, hidden=2816, k=2, ca
         dist.destroy_process_group()
         if barrier is not None:
             os.environ["TORCH_DIST_INIT_BARRIER"] = barrier
+
+
+
+# ---- section 4: a pipeline of two stages, and context parallelism with an MoE block ----------
+
+
+def _pipeline(data, rank, stages, quarters, dp_group=None, aux_grad=True):
+    """Hand GPipe steps (chapter 12) over the ranks ``stages`` = (first, last), ``quarters`` as micro-batches.
+
+    Stage 0 holds the embedding and the MoE layer, so the router and its balancing loss live there;
+    stage 1 holds the head and the cross-entropy.  The balancing loss's gradient joins stage 0's
+    backward beside the gradient that comes back from stage 1; its value travels forward with the
+    activations, so the last stage can report the whole loss.  ``aux_grad=False`` is the mistake of
+    adding only that value at the last stage: the loss reads the same, the router gets no gradient
+    from it.  Ranks outside ``stages`` only join the sum of the losses.  Returns the losses and, on
+    stage 0, the router's gradient of the first step (None elsewhere).
+    """
+    device = data[0][0].device
+    net = MoENet(MoE(**MOE)).to(device)
+    stage = stages.index(rank) if rank in stages else None
+    params = [p for m in {0: [net.embed, net.moe], 1: [net.head]}.get(stage, []) for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=LR) if params else None
+    losses, router_grad = [], None
+    for x, y in data:
+        total = torch.zeros((), device=device)
+        if stage is not None:
+            opt.zero_grad()
+            saved = []
+            for q in quarters:  # every micro-batch's forward ...
+                if stage == 0:
+                    h = net.embed(quarter(x, q))
+                    out = h + net.moe(h)
+                    aux = AUX * net.moe.stats["aux"] / RANKS
+                    dist.send(out.detach(), dst=stages[1])
+                    dist.send(aux.detach().reshape(1), dst=stages[1])  # its value, for the loss
+                    saved.append((out, aux))
+                else:
+                    inp = torch.empty(len(quarter(x, q)), WIDTH, device=device)
+                    aux = torch.empty(1, device=device)
+                    dist.recv(inp, src=stages[0])
+                    dist.recv(aux, src=stages[0])
+                    inp.requires_grad_()
+                    ce = F.cross_entropy(net.head(inp), quarter(y, q)) / RANKS
+                    total += ce.detach() + aux[0]
+                    saved.append((inp, ce))
+            for a, b in reversed(saved):  # ... then every backward, the last micro-batch first
+                if stage == 1:
+                    b.backward()
+                    dist.send(a.grad, dst=stages[0])
+                else:
+                    grad = torch.empty_like(a)
+                    dist.recv(grad, src=stages[1])
+                    if aux_grad:  # one backward from both: the activations' gradient and the balancing loss
+                        torch.autograd.backward([a, b], [grad, None])
+                    else:
+                        a.backward(grad)
+            if dp_group is not None:  # dp x pp: the copies of this stage each saw half the quarters
+                for p in params:
+                    dist.all_reduce(p.grad, group=dp_group)
+            if stage == 0 and router_grad is None:
+                router_grad = net.moe.router.weight.grad.cpu()
+            opt.step()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    return losses, router_grad
+
+
+def pipeline_rows(data, rank, device):
+    """parity's pipeline rows: PP on ranks 0 and 1 (2 and 3 wait) and dp x pp on a 2 x 2 mesh; and
+    the mistake, against the right pipeline: the router's first gradient's distance from one process's.
+    """
+    rows, router = {}, {}
+    rows["PP (2 stages)"], router["right"] = _pipeline(data, rank, (0, 1), range(RANKS))
+    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("dp", "pp"))
+    dp = mesh.get_local_rank("dp")
+    stages = tuple(dist.get_process_group_ranks(mesh.get_group("pp")))
+    rows["dp x pp (2 x 2)"], _ = _pipeline(data, rank, stages, (2 * dp, 2 * dp + 1), mesh.get_group("dp"))
+    wrong, router["wrong"] = _pipeline(data, rank, (0, 1), range(RANKS), aux_grad=False)
+    if rank == 0:  # stage 0 of both: the router is here
+        ref = _one_process([tuple(t.cpu() for t in data[0])])[1].moe.router.weight.grad
+        router = {k: (g - ref).abs().max().item() for k, g in router.items()}
+        router["wrong, max loss difference"] = max(abs(a - b) for a, b in zip(wrong, rows["PP (2 stages)"]))
+    return rows, router
+
+
+SEQ, HEADS, CP_LR = 16, 2, 0.5
+
+
+class AttnMoE(nn.Module):
+    """A transformer block over a sequence: causal self-attention, then the MoE layer, both residual."""
+
+    def __init__(self, moe):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)
+            self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.moe = moe
+
+    def attention(self, x, attend):
+        """x: (batch, this rank's positions, WIDTH); ``attend(q, k, v)`` on (batch, heads, positions, dim)."""
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, HEADS, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return x + self.proj(attend(q, k, v).transpose(1, 2).reshape(b, s, WIDTH))
+
+    def loss(self, h, y):
+        """The MoE layer on one routing group (one rank's positions); the output's error + balancing loss."""
+        out = h + self.moe(h.reshape(-1, WIDTH)).view(h.shape)
+        return F.mse_loss(out, y) + AUX * self.moe.stats["aux"]
+
+
+def sequences(steps, batch=8):
+    """Random sequences; the target at each position is the mean of the inputs up to it (causal)."""
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(steps, batch, SEQ, WIDTH, generator=g)
+    return list(zip(x, x.cumsum(2) / torch.arange(1, SEQ + 1).view(SEQ, 1)))
+
+
+def cp_parity(steps=6):
+    """Worker: the attention + MoE block with its sequence split over every rank (chapter 14's ring).
+
+    Rank r holds positions r * SEQ / N onwards (contiguous chunks); its queries attend over every
+    earlier position through ``ring_attention``; the MoE layer routes this rank's tokens.  Two ways:
+    the experts replicated (every gradient summed over the ranks) and the experts spread over the
+    same ranks (EP: the all-to-alls' backward delivers each expert's gradient; the rest is summed).
+    One process: full-sequence attention, the MoE layer on each rank's positions in turn (the same
+    routing groups), the mean of their losses.  Rank 0 returns the loss curves and the largest
+    difference of any parameter from the one-process model's after the last step.
+    """
+    from ch14_ring import ring_attention  # chapter 14's file, beside this one
+
+    apply_all()  # WORKAROUND for a torch bug at exit (pytorch/pytorch#56297), not part of the algorithm
+    backend, device = backend_and_device()
+    dist.init_process_group(**process_group_kwargs(backend, device))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = [(x.to(device), y.to(device)) for x, y in sequences(steps)]
+
+    def causal(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    ref = AttnMoE(MoE(**MOE)).to(device)
+    opt = torch.optim.SGD(ref.parameters(), lr=CP_LR)
+    curves = {"one process": []}
+    for x, y in data:
+        opt.zero_grad()
+        h = ref.attention(x, causal)
+        loss = sum(ref.loss(hc, yc) for hc, yc in zip(h.chunk(world, 1), y.chunk(world, 1))) / world
+        loss.backward()
+        opt.step()
+        curves["one process"].append(loss.item())
+    twin = dict(ref.named_parameters())
+
+    out = {}
+    for label, moe in ((f"CP ({world}), experts replicated", MoE(**MOE)),
+                       (f"CP ({world}) + EP on the same ranks", EPMoE(**MOE))):
+        model = AttnMoE(moe).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=CP_LR)
+        losses = []
+        for x, y in data:
+            opt.zero_grad()
+            mine = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
+            loss = model.loss(model.attention(x[:, mine], ring_attention), y[:, mine]) / world
+            loss.backward()
+            for name, p in model.named_parameters():
+                if not (is_expert(name) and isinstance(moe, EPMoE)):
+                    dist.all_reduce(p.grad)  # replicated: each copy saw this rank's positions only
+            opt.step()
+            seen = loss.detach().clone()
+            dist.all_reduce(seen)
+            losses.append(seen.item())
+        worst = 0.0
+        for name, p in model.named_parameters():
+            if is_expert(name) and isinstance(moe, EPMoE):  # local expert j is expert first + j
+                j = int(name.split(".")[2])
+                name = name.replace(f"experts.{j}.", f"experts.{moe.first + j}.")
+            worst = max(worst, (p.detach() - twin[name].detach()).abs().max().item())
+        gone = torch.tensor(worst, device=device)
+        dist.all_reduce(gone, op=dist.ReduceOp.MAX)
+        curves[label] = losses
+        out[label] = gone.item()
+    gc.collect()
+    dist.destroy_process_group()
+    return {"curves": curves, "max parameter difference": out} if rank == 0 else None
