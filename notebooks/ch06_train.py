@@ -220,8 +220,8 @@ class PreemptionWarning:
 
     def __init__(self):
         self.requested = False
-        # Only in the main thread (signal.signal's condition) and only where nobody else uses
-        # SIGUSR1: the course's launcher has it dump the workers' stacks (getsignal is then None).
+        # Only in the main thread (signal.signal's condition) and only where nobody else handles
+        # SIGUSR1 already (a handler installed from C gives None here, an unknown one).
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN)):
             signal.signal(signal.SIGUSR1, self._set)
