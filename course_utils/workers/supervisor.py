@@ -499,7 +499,7 @@ class _Supervisor:
                 self._handle(*key.data, key.fd)
 
     def _collect_stacks(self) -> dict[int, RankFailure]:
-        """Ask every running rank for its Python stacks (faulthandler on SIGUSR1), wait briefly."""
+        """Ask every running rank for its Python stacks (faulthandler on STACK_SIGNAL), wait briefly."""
         stuck = [r for r in self.ranks if not r.exited and r.proc.exitcode is None]
         for r in stuck:
             with contextlib.suppress(ProcessLookupError):
