@@ -14,6 +14,7 @@ between the processes sharing it; close to what a container's memory limit is ch
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.util
 import json
 import os
 import platform
@@ -27,7 +28,6 @@ import time
 from pathlib import Path
 
 import psutil
-from chapter_table import lesson_words
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,6 +93,15 @@ class TreeSampler:
         }
 
 
+def _lesson_words(nb: dict) -> tuple[int, int]:
+    """chapter_table.lesson_words, loaded by path: this module is itself loaded by path from tests."""
+    path = Path(__file__).with_name("chapter_table.py")
+    spec = importlib.util.spec_from_file_location("chapter_table", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    return table.lesson_words(nb)
+
+
 def notebook_facts(path: Path) -> dict:
     """Words a learner reads (Markdown words plus code lines) and the number of exercises."""
     nb = json.loads(path.read_text(encoding="utf-8"))
@@ -108,7 +117,7 @@ def notebook_facts(path: Path) -> dict:
         elif cell["cell_type"] == "code":
             code_lines += sum(1 for line in src.splitlines() if line.strip())
             exercises.update(re.findall(r"### BEGIN SOLUTION (\S+)", src))
-    main, deeper = lesson_words(nb)
+    main, deeper = _lesson_words(nb)
     return {"markdown_words": words, "code_lines": code_lines, "exercises": len(exercises),
             "main_path_words": main, "deeper_words": deeper}
 
