@@ -30,7 +30,11 @@ thread inside a C++ destructor and the process aborts ("terminate called without
 exception").  Gloo's threads outlive ``destroy_process_group()`` whenever something still holds the
 group, as ``torch.distributed.nn`` does when it is first imported after ``init_process_group``
 (``torch._dynamo`` imports it, and any optimizer's constructor imports ``torch._dynamo``).  Handles
-kept here are released by the training thread, which holds the GIL.
+kept here are released by the training thread, which holds the GIL.  And this file imports
+``torch.distributed.nn`` itself, so that a script importing it before ``init_process_group`` (as
+scripts and test files do) leaves no such reference: its group is freed, and gloo's threads
+joined, by ``destroy_process_group()``.  That also covers ``ShardedOptimizer``, whose broadcasts'
+work items hold the parameters (a core dump of an abort shows gloo's thread releasing one).
 
 Usage, in every rank::
 
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (imported before the script's init_process_group: "Teardown")
 from torch import nn
 
 
