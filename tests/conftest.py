@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import psutil
 import pytest
 
@@ -38,3 +42,21 @@ def no_leftover_processes():
         left = _descendants() - before
     alive = [psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]
     assert not left, f"processes left running: {alive}"
+
+
+@pytest.fixture
+def two_busy_loops():
+    """Two processes that keep both cores busy while a test runs: a loaded machine, where a slow
+    helper or a late signal shows.
+
+    Run alone, a test shares the cores with them as an equal.  Inside the parallel suite (pytest-xdist),
+    the other workers already load the machine: there the loops run at nice 19, so they take only
+    the CPU time no test wants (the cores stay busy) instead of slowing every other test by a third.
+    """
+    niceness = 19 if os.environ.get("PYTEST_XDIST_WORKER") else 0
+    code = f"import os\nos.nice({niceness})\nwhile True: pass"
+    loops = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    yield
+    for p in loops:
+        p.kill()
+        p.wait()

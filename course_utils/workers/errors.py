@@ -74,7 +74,8 @@ class RankFailure:
 
     ``kind`` is a ``FailureKind`` (a plain string such as ``"exception"`` is converted).
     ``finished_anyway`` is set by the launcher on a ``STOPPED`` rank that had already returned
-    when another rank failed or hung.
+    when another rank failed or hung.  ``echo_of`` names the rank whose failure this one's exception
+    only echoes (its connection to that rank closed, ``is_echo``), when that rank failed by itself.
     """
 
     rank: int
@@ -85,12 +86,15 @@ class RankFailure:
     exitcode: int | None = None
     stack: str = ""
     finished_anyway: bool = False
+    echo_of: int | None = None
 
     def __post_init__(self) -> None:
         self.kind = FailureKind(self.kind)
 
     def short(self) -> str:
         """A few words for a status line: ``raised ValueError``, ``killed by SIGKILL``..."""
+        if self.echo_of is not None:
+            return f"echoed rank {self.echo_of}'s failure"
         if self.kind is FailureKind.EXCEPTION:
             return f"raised {self.exc_type}"
         if self.kind is FailureKind.SIGNAL:
@@ -109,6 +113,9 @@ class RankFailure:
 
     def describe(self) -> str:
         """The full account: the exception with its traceback, the signal, or the hung stack."""
+        if self.echo_of is not None:  # its traceback would only point at the collective it was in
+            return (f"rank {self.rank} raised {self.exc_type} only because rank {self.echo_of} failed "
+                    f"first (its connection to that rank closed): {self.message}")
         if self.kind is FailureKind.EXCEPTION:
             head = f"rank {self.rank} raised {self.exc_type}: {self.message}"
             return head + ("\n" + indent(self.traceback) if self.traceback else "")
@@ -139,8 +146,10 @@ class WorkerError(RuntimeError):
 
     @property
     def failed_ranks(self) -> list[int]:
-        """Ranks that failed by themselves (not the ones the launcher stopped afterwards)."""
-        return sorted(r for r, f in self.failures.items() if f.kind is not FailureKind.STOPPED)
+        """Ranks that failed by themselves: not the ones the launcher stopped afterwards, nor the
+        ones whose exception only echoes another rank's failure (``RankFailure.echo_of``)."""
+        return sorted(r for r, f in self.failures.items()
+                      if f.kind is not FailureKind.STOPPED and f.echo_of is None)
 
 
 class WorkerTimeout(WorkerError):

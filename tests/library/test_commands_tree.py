@@ -27,15 +27,6 @@ from course_utils import run_commands
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process trees")
 
 
-@pytest.fixture
-def two_busy_loops():
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    yield
-    for p in loops:
-        p.kill()
-        p.wait()
-
-
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

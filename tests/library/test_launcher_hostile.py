@@ -24,15 +24,6 @@ from course_utils import WorkerError, WorkerTimeout, launch
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
-@pytest.fixture
-def two_busy_loops():
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    yield
-    for p in loops:
-        p.kill()
-        p.wait()
-
-
 def _gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
