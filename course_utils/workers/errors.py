@@ -10,7 +10,7 @@ import signal
 from typing import Any
 
 __all__ = ["ECHO", "FailureKind", "RankResult", "RankFailure", "WorkerError", "WorkerTimeout",
-           "LaunchInterrupted", "indent"]
+           "LaunchInterrupted", "failure_summary", "indent"]
 
 # Messages that one rank's failure causes on its peers (a closed connection, a receive that timed
 # out): the root cause is on another rank.
@@ -150,6 +150,26 @@ class WorkerError(RuntimeError):
         ones whose exception only echoes another rank's failure (``RankFailure.echo_of``)."""
         return sorted(r for r, f in self.failures.items()
                       if f.kind is not FailureKind.STOPPED and f.echo_of is None)
+
+
+def failure_summary(failures: dict[int, RankFailure], world: int) -> str:
+    """The first line of a failed launch's message; marks each peer's echo with the rank it echoes.
+
+    Under load a peer's echo (its connection to the failed rank closed) can come before the
+    launcher stops that peer: it is reported as the echo of the cause, not as a failure of its own.
+    """
+    own = [f for f in failures.values() if f.kind is not FailureKind.STOPPED]
+    causes = sorted(f.rank for f in own if not f.is_echo)
+    for f in own:
+        if f.is_echo and causes:
+            f.echo_of = causes[0]
+    echoes = sorted(f.rank for f in own if f.echo_of is not None)
+    summary = f"{len(own) - len(echoes)} of {world} rank(s) failed"
+    if echoes:
+        summary += f"; rank(s) {', '.join(map(str, echoes))} raised only because of it"
+    if len(own) < len(failures):
+        summary += "; the others were stopped"
+    return summary + "."
 
 
 class WorkerTimeout(WorkerError):

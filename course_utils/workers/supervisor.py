@@ -69,7 +69,7 @@ import torch.distributed as dist
 
 from . import tree
 from .entry import CLOSED_PIPES, NOT_SENT, STACK_SIGNAL, worker_main
-from .errors import FailureKind, RankFailure, RankResult, WorkerError, WorkerTimeout
+from .errors import FailureKind, RankFailure, RankResult, WorkerError, WorkerTimeout, failure_summary
 from .lines import LineSplitter
 from .reports import STARTED, decode_frames
 from .stacks import tidy_stack
@@ -416,20 +416,7 @@ class _Supervisor:
                     r.rank, FailureKind.STOPPED, finished_anyway=r.returned,
                     message=f"finished, but rank {first} failed" if r.returned
                     else f"killed after rank {first} failed")
-        # Under load a peer's echo (its connection to the failed rank closed) can come before the
-        # launcher stops it: it is reported as the echo of the cause, not as a failure of its own.
-        own = [f for f in failures.values() if f.kind is not FailureKind.STOPPED]
-        causes = sorted(f.rank for f in own if not f.is_echo)
-        for f in own:
-            if f.is_echo and causes:
-                f.echo_of = causes[0]
-        echoes = sorted(f.rank for f in own if f.echo_of is not None)
-        summary = f"{len(own) - len(echoes)} of {self.world} rank(s) failed"
-        if echoes:
-            summary += f"; rank(s) {', '.join(map(str, echoes))} raised only because of it"
-        if len(own) < len(failures):
-            summary += "; the others were stopped"
-        summary += "."
+        summary = failure_summary(failures, self.world)
         self.display.finish(failures)
         raise WorkerError(failures, summary)
 
