@@ -51,7 +51,8 @@ def two_busy_loops():
 
     Run alone, a test shares the cores with them as an equal.  Inside the parallel suite (pytest-xdist),
     the other workers already load the machine: there the loops run at nice 19, so they take only
-    the CPU time no test wants (the cores stay busy) instead of slowing every other test by a third.
+    the CPU time no test wants (the cores stay busy) instead of competing with the other workers'
+    tests.
     """
     niceness = 19 if os.environ.get("PYTEST_XDIST_WORKER") else 0
     code = f"import os\nos.nice({niceness})\nwhile True: pass"
