@@ -23,8 +23,11 @@ writes the committed outputs, does not run under pytest.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -81,3 +84,35 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for report in _RERUN_REPORTS:
         terminalreporter.write_sep("-", f"first failure of {report.nodeid} (then retried)")
         terminalreporter.write_line(report.longreprtext[-4000:])
+
+
+# Each notebook's kernel talks to nbval over Unix sockets (ZeroMQ's ipc transport), not TCP.  Over
+# TCP, jupyter_client picks five ports that are free at that moment and the kernel binds them a
+# moment later; on a busy machine another process of the run (a gloo connection, a TCPStore, a
+# torchrun agent) can take one in between, and the kernel exits before its first reply: "Kernel died
+# before replying to kernel_info", seen in a fresh-clone run beside two busy loops.  A Unix socket
+# is a file in a folder of this process's own: there is no port to lose.
+_KERNEL_SOCKETS: list[Path] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        import nbval.kernel
+    except ImportError:  # no notebooks to run
+        return
+    folder = Path(tempfile.mkdtemp(prefix="nbval-kernels-"))
+    _KERNEL_SOCKETS.append(folder)
+    names = itertools.count()
+
+    class UnixSocketKernelManager(nbval.kernel.KernelManager):
+        def __init__(self, **kwargs):
+            kwargs.setdefault("transport", "ipc")
+            kwargs.setdefault("ip", str(folder / f"kernel{next(names)}"))
+            super().__init__(**kwargs)
+
+    nbval.kernel.KernelManager = UnixSocketKernelManager
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in _KERNEL_SOCKETS:
+        shutil.rmtree(folder, ignore_errors=True)
