@@ -62,8 +62,10 @@ def test_generator_drops_outputs():
 def learner_kernel():
     """One kernel in exercises/ for every stub notebook, as a learner going from one to the next.
 
-    Its fork server is started (and waited for) before the first notebook, so that each test's
-    check for leftover processes sees it as already there.  Each notebook starts with ``%reset -f``:
+    Its fork server is started, by a first launch, before the first notebook, so that each test's
+    check for leftover processes sees it as already there.  (Waiting for the kernel's background
+    start was not enough: under load that start can fail quietly, as it may, and the first stub's
+    launch then started the fork server inside the first test.)  Each notebook starts with ``%reset -f``:
     nothing a previous notebook defined is left.  One kernel instead of twelve spares the suite a
     kernel start, an import of torch and a fork server per notebook.
     """
@@ -72,8 +74,8 @@ def learner_kernel():
     km = KernelManager(kernel_name="python3")
     km.start_kernel(cwd=str(ROOT / "exercises"), env={**os.environ, "COURSE_PREWARM": "1"})
     try:
-        (ready,) = _run_in(km, ["from course_utils.workers.prewarm import wait_ready\n"
-                                "assert wait_ready(120), 'the fork server did not start'"]).cells
+        (ready,) = _run_in(km, ["import os\nfrom course_utils import launch\n"
+                                "assert launch(os.getpid, 1, timeout=120, display=None)"]).cells
         assert not [o for o in ready.outputs if o.output_type == "error"], ready.outputs
         yield km
     finally:
