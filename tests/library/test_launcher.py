@@ -163,21 +163,46 @@ def test_raising_rank_is_named_with_type_message_and_traceback():
     assert not isinstance(e, WorkerTimeout)
 
 
-def _echoes_or_causes() -> None:
+def _echoes_first_then_the_cause(flag: str) -> None:
+    """Rank 0 raises a peer's echo at once; rank 1 raises the cause once rank 0's process is gone
+    (so the echo is always seen first, however loaded the machine)."""
     if os.environ["RANK"] == "0":
+        Path(flag).write_text(str(os.getpid()))
         raise RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if os.path.exists(flag) and (pid := Path(flag).read_text()):
+            if not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE:
+                break
+        time.sleep(0.01)
     raise ValueError("the cause")
 
 
-def test_a_peers_echo_is_reported_as_the_echo_of_the_cause():
+def test_a_peers_echo_is_reported_as_the_echo_of_the_cause(tmp_path):
     with pytest.raises(WorkerError) as ei:
-        launch(_echoes_or_causes, 2, timeout=30)
+        launch(_echoes_first_then_the_cause, 2, args=(str(tmp_path / "pid"),), timeout=30)
     e = ei.value
     assert e.failed_ranks == [1], e
     assert e.failures[0].echo_of == 1 and e.failures[0].short() == "echoed rank 1's failure"
     assert str(e).startswith("1 of 2 rank(s) failed; rank(s) 0 raised only because of it."), e
     assert "rank 1 raised ValueError: the cause" in str(e)
+
+
+def test_the_summary_marks_an_echo_only_when_its_cause_is_known():
+    from course_utils.workers.errors import failure_summary
+
+    echo = RankFailure(0, "exception", "RuntimeError", "Connection closed by peer [127.0.0.1]:1")
+    cause = RankFailure(1, "exception", "ValueError", "bad batch")
+    failures = {0: echo, 1: cause, 2: RankFailure(2, "stopped")}
+    assert failure_summary(failures, 3) == (
+        "1 of 3 rank(s) failed; rank(s) 0 raised only because of it; the others were stopped.")
+    assert echo.echo_of == 1 and cause.echo_of is None
+    alone = RankFailure(0, "exception", "RuntimeError", "Connection closed by peer [127.0.0.1]:1")
+    assert failure_summary({0: alone, 1: RankFailure(1, "stopped")}, 2) == (
+        "1 of 2 rank(s) failed; the others were stopped.")
+    assert alone.echo_of is None  # no cause known: the echo is all there is to show
+    both = {0: RankFailure(0, "exception", "ValueError", "a"), 1: RankFailure(1, "signal", exitcode=-9)}
+    assert failure_summary(both, 2) == "2 of 2 rank(s) failed."
 
 
 def _returns_or_fails_once_rank0_is_gone(flag: str) -> str:
