@@ -163,18 +163,23 @@ def test_raising_rank_is_named_with_type_message_and_traceback():
     assert not isinstance(e, WorkerTimeout)
 
 
+def _wait_until_gone(flag: str, limit: float = 30.0) -> None:
+    """Wait (up to ``limit`` s) until the process whose pid rank 0 wrote to ``flag`` has exited."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if os.path.exists(flag) and (pid := Path(flag).read_text()):
+            if not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE:
+                return
+        time.sleep(0.01)
+
+
 def _echoes_first_then_the_cause(flag: str) -> None:
     """Rank 0 raises a peer's echo at once; rank 1 raises the cause once rank 0's process is gone
     (so the echo is always seen first, however loaded the machine)."""
     if os.environ["RANK"] == "0":
         Path(flag).write_text(str(os.getpid()))
         raise RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if os.path.exists(flag) and (pid := Path(flag).read_text()):
-            if not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE:
-                break
-        time.sleep(0.01)
+    _wait_until_gone(flag)
     raise ValueError("the cause")
 
 
@@ -210,12 +215,7 @@ def _returns_or_fails_once_rank0_is_gone(flag: str) -> str:
     if os.environ["RANK"] == "0":
         Path(flag).write_text(str(os.getpid()))
         return "done"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if os.path.exists(flag) and (pid := Path(flag).read_text()):
-            if not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE:
-                break
-        time.sleep(0.01)
+    _wait_until_gone(flag)
     raise ValueError("late failure")
 
 
