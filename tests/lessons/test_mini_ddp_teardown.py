@@ -83,4 +83,5 @@ def test_a_foreign_harness_exits_cleanly(cls_name):
         [sys.executable, str(ROOT / "benchmarks" / "ddp_teardown.py"), "--runs", "2", "--fast",
          "--cls", cls_name, "--module", str(MINI_DDP)], capture_output=True, text=True, timeout=240, cwd=ROOT)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
-    assert result.returncode == 0 and "0 of 2 runs failed" in summary, summary
+    assert result.returncode == 0 and "0 of 2 runs failed" in summary, (
+        f"{summary}\n--- the harness's stderr, last lines ---\n{result.stderr[-3000:]}")

@@ -59,7 +59,7 @@ def test_generator_drops_outputs():
 
 
 @pytest.fixture(scope="module")
-def learner_kernel():
+def learner_kernel(kernel_manager_class):
     """One kernel in exercises/ for every stub notebook, as a learner going from one to the next.
 
     Its fork server is started, by a first launch, before the first notebook, so that each test's
@@ -69,9 +69,7 @@ def learner_kernel():
     nothing a previous notebook defined is left.  One kernel instead of twelve spares the suite a
     kernel start, an import of torch and a fork server per notebook.
     """
-    from jupyter_client.manager import KernelManager
-
-    km = KernelManager(kernel_name="python3")
+    km = kernel_manager_class(kernel_name="python3")
     km.start_kernel(cwd=str(ROOT / "exercises"), env={**os.environ, "COURSE_PREWARM": "1"})
     try:
         (ready,) = _run_in(km, ["import os\nfrom course_utils import launch\n"

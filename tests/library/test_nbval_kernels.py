@@ -1,4 +1,4 @@
-"""nbval's kernels talk over Unix sockets (conftest.py says why): no TCP port chosen for them to lose."""
+"""The suite's kernels talk over Unix sockets (conftest.py says why): no TCP port chosen for them to lose."""
 
 from __future__ import annotations
 
@@ -27,3 +27,22 @@ def test_a_notebook_kernel_answers_over_the_unix_sockets_it_was_given():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_a_kernel_started_by_nbclient_uses_unix_sockets_too():
+    """test_exercises, test_monitor and test_three_learners run notebooks with nbclient, whose default
+    manager is jupyter_client.AsyncKernelManager."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 6 * 7\nx")])
+    client = NotebookClient(nb, timeout=60, kernel_name="python3")
+    seen = {}
+
+    def remember(**_):
+        seen.update(client.km.get_connection_info())
+
+    client.on_notebook_start = remember
+    client.execute()
+    assert seen.get("transport") == "ipc", seen
+    assert nb.cells[0].outputs[0]["data"]["text/plain"] == "42"

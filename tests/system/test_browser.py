@@ -202,7 +202,14 @@ def test_learner_view_in_chromium(no_leftover_processes):
                 page.get_by_role("menuitem", name="Run", exact=True).click()
                 page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
                 launch_cell = nb.locator(".jp-Cell").nth(1)
-                page.wait_for_function("() => window.__seenBars >= 2")  # one bar per rank
+                # One bar per rank. Before them the kernel imports torch and the fork server starts
+                # (seconds of CPU each): on a busy machine that took longer than 45 s once.
+                try:
+                    page.wait_for_function("() => window.__seenBars >= 2", timeout=150_000)
+                except Exception as e:
+                    prompts = nb.locator(".jp-InputPrompt").all_inner_texts()
+                    raise AssertionError(f"no progress bars 150 s after Run All Cells; input prompts "
+                                         f"{prompts}; the launch cell: {launch_cell.inner_text()!r}") from e
                 remember_kernels()
                 last_output = nb.locator(".jp-Cell").nth(3).locator(".jp-OutputArea-output")
                 last_output.filter(has_text="every cell ran").wait_for(timeout=120_000)
