@@ -597,6 +597,9 @@ import os, signal, sys, threading, time
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
 flag = sys.argv[1]
+# Python's own Ctrl-C handler, as in a terminal or a kernel, even if this process was started with
+# SIGINT ignored (a test run started in the background by a shell without job control).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 shell.run_cell("from course_utils import launch\\nimport pathlib, time")
 shell.run_cell(f"def work():\\n    pathlib.Path({flag!r}).touch()\\n    time.sleep(120)\\n")
 
