@@ -15,10 +15,11 @@ WHICH_TORCH = tools/which_torch.py --spec "$(TORCH_SPEC)" $(if $(filter file,$(o
 # The course's Python when .venv exists, else the machine's: `make doctor` and `make which-torch`
 # need nothing installed.
 COURSE_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
-# Parallel test processes (pytest-xdist). Three on the 2-core machine the suite is sized for: with
-# two, the cores sat idle 14% of the time (tests waiting for a hang's timeout, a worker's start);
-# with three, 4%, and the whole run took about a minute less (measured with `make test`).
-JOBS ?= 3
+# Parallel test processes (pytest-xdist). Four on the 2-core machine the suite is sized for: many
+# tests wait (for a hang's timeout, a job's start, a kernel) rather than compute. Measured with the
+# same pytest command on a quiet machine: with three, the suite used 1173 CPU-seconds in 646 s, the
+# cores idle 9% of the time; with four, 1116 CPU-seconds in 567 s, idle 2% (vmstat).
+JOBS ?= 4
 # Jupyter refuses to run as root (containers, cloud VMs) unless told that it is intended.
 LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 # Offline install (INSTRUCTORS.md): `make wheelhouse` downloads every package into WHEELHOUSE;

@@ -1,6 +1,6 @@
 """The order of `make test`: the longest files first, so that the workers finish together.
 
-`make test` runs the unit tests and the notebooks (nbval) in one pytest session on three workers
+`make test` runs the unit tests and the notebooks (nbval) in one pytest session on four workers
 (``JOBS`` in the Makefile), one file at a time per worker (``--dist loadfile``).  Files are handed
 out in collection order; if a long file came last, one worker would run it alone while the others
 sat idle.  So the collection is sorted by each file's expected time, longest first:
