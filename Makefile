@@ -18,7 +18,7 @@ COURSE_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 # Parallel test processes (pytest-xdist). Four on the 2-core machine the suite is sized for: many
 # tests wait (for a hang's timeout, a job's start, a kernel) rather than compute. Measured on a quiet
 # machine: with three, the cores sat idle 9% of a run (1173 CPU-seconds in 646 s); with four, 2% of
-# one (vmstat), whose pytest part took 567 s. Below that, the suite is limited by its CPU-seconds.
+# one (vmstat), whose pytest part took 567 s. With the cores that busy, only fewer CPU-seconds help.
 JOBS ?= 4
 # Jupyter refuses to run as root (containers, cloud VMs) unless told that it is intended.
 LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
