@@ -74,12 +74,10 @@ lab: $(BIN)/.installed
 lint: $(BIN)/.installed-test
 	$(BIN)/ruff check .
 
-# Solutions that tests/system/test_three_learners.py executes at the same time, as three learners would,
-# requiring every cell to run and every checker to pass: nbval does not run them a second time.
-RUN_TOGETHER = solutions/03_collectives.ipynb solutions/04_ddp.ipynb solutions/05_data_loading.ipynb
-
-# One pytest session runs the unit tests and the notebooks (nbval), the longest files first
-# (conftest.py), so that both workers stay busy to the end. PYTEST_ARGS="..." adds options.
+# One pytest session runs the unit tests and the lessons (nbval), the longest files first
+# (conftest.py), so that every worker stays busy to the end. The solution notebooks run in one
+# kernel after the exercises' stubs (tests/library/test_exercises.py), three of them at the same
+# time in kernels of their own (tests/system/test_three_learners.py). PYTEST_ARGS="..." adds options.
 PYTEST_ARGS ?=
 test: lint
 	$(BIN)/python tools/exercises.py --check
@@ -88,7 +86,7 @@ test: lint
 	# end. Notebook cells never rerun.
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder --reruns 1 -rsR \
 		--nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS) \
-		tests notebooks solutions $(RUN_TOGETHER:%=--ignore=%)
+		tests notebooks
 
 exercises: $(BIN)/.installed
 	$(BIN)/python tools/exercises.py

@@ -1,4 +1,11 @@
-"""exercises/ is generated from solutions/, and every stub fails its checker naming the exercise."""
+"""exercises/ is generated from solutions/; every stub fails its checker naming the exercise, and every
+solution passes all the checkers it calls.
+
+Both run in one kernel, as a learner going from one notebook to the next: the stubs first, then the
+solutions (``make test`` does not give the solutions to nbval; the three that
+``tests/system/test_three_learners.py`` runs at the same time, each in a kernel of its own, are left
+to it).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +27,13 @@ _spec.loader.exec_module(_generator)
 exercise_notebook, generate, strip_solutions = (
     _generator.exercise_notebook, _generator.generate, _generator.strip_solutions)
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+_spec = importlib.util.spec_from_file_location("three_learners",
+                                              ROOT / "tests" / "system" / "test_three_learners.py")
+_three_learners = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_three_learners)
+RUN_TOGETHER = set(_three_learners.NOTEBOOKS)  # their own test runs them, in kernels of their own
+SOLUTIONS = [p for p in sorted((ROOT / "solutions").glob("*.ipynb"))
+             if p.relative_to(ROOT).as_posix() not in RUN_TOGETHER]
 
 
 def test_committed_exercises_match_generator(tmp_path):
@@ -60,14 +74,18 @@ def test_generator_drops_outputs():
 
 @pytest.fixture(scope="module")
 def learner_kernel(kernel_manager_class):
-    """One kernel in exercises/ for every stub notebook, as a learner going from one to the next.
+    """One kernel for every stub and solution notebook, as a learner going from one to the next.
 
     Its fork server is started, by a first launch, before the first notebook, so that each test's
     check for leftover processes sees it as already there.  (Waiting for the kernel's background
     start was not enough: under load that start can fail quietly, as it may, and the first stub's
-    launch then started the fork server inside the first test.)  Each notebook starts with ``%reset -f``:
-    nothing a previous notebook defined is left.  One kernel instead of twelve spares the suite a
-    kernel start, an import of torch and a fork server per notebook.
+    launch then started the fork server inside the first test.)  Each notebook starts with
+    :func:`_fresh_start` in its own folder: nothing a previous notebook defined, or imported from
+    exercises/ or solutions/, is left.  One kernel instead of twenty-nine spares the suite a kernel
+    start, an import of torch and a fork server per notebook (about 5 CPU-seconds each, measured
+    with a one-cell notebook that launches once).  What it does not prove, that each solution also
+    runs in a fresh kernel, ``make notebooks`` shows when it re-executes them, and
+    ``tests/system/test_three_learners.py`` for three of them on every run.
     """
     km = kernel_manager_class(kernel_name="python3")
     km.start_kernel(cwd=str(ROOT / "exercises"), env={**os.environ, "COURSE_PREWARM": "1"})
@@ -78,6 +96,22 @@ def learner_kernel(kernel_manager_class):
         yield km
     finally:
         km.shutdown_kernel(now=True)
+
+
+def _fresh_start(folder: Path) -> str:
+    """The cell that starts a notebook in the shared kernel as a new kernel in ``folder`` would:
+    the namespace emptied, ``folder`` the working directory (where workers start too), and the
+    modules imported from exercises/ or solutions/ (``mini_ddp``, files a notebook wrote) forgotten,
+    so that ``import mini_ddp`` reads the copy beside this notebook, not the previous one's."""
+    folders = (str(ROOT / "exercises"), str(ROOT / "solutions"))
+    return ("%reset -f\n"
+            "import importlib as _il, os as _os, sys as _sys\n"
+            f"_os.chdir({str(folder)!r})\n"
+            "for _n in [n for n, m in list(_sys.modules.items())\n"
+            f"           if (getattr(m, '__file__', None) or '').startswith({folders!r})]:\n"
+            "    del _sys.modules[_n]\n"
+            "_il.invalidate_caches()\n"
+            "del _il, _os, _sys")
 
 
 def _run_in(km, sources, nb=None):
@@ -100,7 +134,7 @@ def test_every_stub_fails_its_checker_naming_the_exercise(path, learner_kernel):
     """
     import nbformat
 
-    nb = _run_in(learner_kernel, ["%reset -f"], nbformat.read(path, as_version=4))
+    nb = _run_in(learner_kernel, [_fresh_start(path.parent)], nbformat.read(path, as_version=4))
     assert not [o for o in nb.cells[0].outputs if o.output_type == "error"], nb.cells[0].outputs
     stub_names = {name for c in nb.cells if c.cell_type == "code"
                   for name in re.findall(r'NotImplementedError\("Exercise ([^:]+):', c.source)}
@@ -116,6 +150,24 @@ def test_every_stub_fails_its_checker_naming_the_exercise(path, learner_kernel):
         assert "not done yet" in err.evalue, err.evalue
         seen |= {n for n in stub_names if n in err.evalue}
     assert seen == stub_names, f"{path.name}: stubs never reported by a checker: {stub_names - seen}"
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_every_solution_runs_and_passes_each_checker_it_calls(path, learner_kernel):
+    """Run the solution notebook as a learner who has filled in every exercise: every cell runs
+    without an error, and every checker a cell calls prints its ``[PASS]`` line."""
+    import nbformat
+
+    nb = _run_in(learner_kernel, [_fresh_start(path.parent)], nbformat.read(path, as_version=4))
+    assert not [o for o in nb.cells[0].outputs if o.output_type == "error"], nb.cells[0].outputs
+    errors = [(i, f"{o.ename}: {o.evalue}") for i, c in enumerate(nb.cells[1:]) if c.cell_type == "code"
+              for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"{path.name}: cells that failed (index, error): {errors}"
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    expected = _three_learners._expected_passes(path)
+    assert expected, f"{path.name} calls no checker"
+    passed = set(re.findall(r"^\[PASS\] (.+?)\s*$", text, re.M))
+    assert expected <= passed, f"{path.name}: no [PASS] line for {sorted(expected - passed)}"
 
 
 def test_the_make_target_runs_the_generator_as_a_script():

@@ -87,9 +87,3 @@ def test_three_learners_at_once_all_checks_pass():
             if errors or missing:
                 problems.append(f"{nb}: errors {errors}, no [PASS] line for {missing}")
     assert not problems, "with three learners at once:\n" + "\n".join(problems)
-
-
-def test_make_test_leaves_these_notebooks_to_this_test():
-    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
-    line = next(ln for ln in makefile.splitlines() if ln.startswith("RUN_TOGETHER ="))
-    assert line.split("=", 1)[1].split() == NOTEBOOKS
