@@ -115,12 +115,12 @@ RUN_TIMEOUT = 90.0
 # survive one failure for real; only the workers of the attempt after it print.
 _PROBE = r'''
 import json, os, sys
-import torch, torch.distributed as dist
 marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "failed-once")
 if not os.path.exists(marker):
-    if os.environ["RANK"] == "3":
+    if os.environ["RANK"] == "3":  # before importing torch: the failure comes a second earlier
         open(marker, "w").close()
         sys.exit("rank 3 fails on purpose in the first attempt")
+import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(t)
