@@ -36,13 +36,18 @@ PIP_OFFLINE := $(if $(WHEELS),PIP_NO_INDEX=1 PIP_FIND_LINKS="$(abspath $(WHEELS)
 # the long steps named; errors in full; the rest (packages already there, configured indexes that
 # lack a package, setuptools' notices from the editable build) hidden.
 PIP_INSTALL = $(BIN)/python tools/quiet_pip.py $(BIN)/pip install
+# torch and what it needs are some 5,400 Python files, which pip would byte-compile one after the
+# other: compileall does it on every core instead (a file that does not compile is skipped, as pip
+# skips it). On the 2-core machine that step took 17 s instead of 25.
 
 $(BIN)/.torch:
 	@echo "Creating $(VENV) with $(PYTHON)"
 	@$(PYTHON) -m venv $(VENV)
 	@$(PIP_OFFLINE) $(PIP_INSTALL) --upgrade pip
 	@echo "Installing torch"
-	@$(PIP_OFFLINE) $(PIP_INSTALL) $$($(BIN)/python $(WHICH_TORCH) --pip-args)
+	@$(PIP_OFFLINE) $(PIP_INSTALL) --no-compile $$($(BIN)/python $(WHICH_TORCH) --pip-args)
+	@echo "Byte-compiling torch and what it needs, on every core"
+	@$(BIN)/python -m compileall -q -j 0 --invalidation-mode timestamp $(VENV)/lib >/dev/null || true
 	@touch $@
 
 $(BIN)/.installed: $(BIN)/.torch pyproject.toml
