@@ -177,7 +177,7 @@ def test_makefile_learner_install_has_no_test_tools_and_ci_pins_torch():
     for out in (lab, test):
         [torch_line] = [ln for ln in out.splitlines() if "which_torch.py" in ln]
         assert torch_line.startswith("/nonexistent/venv/bin/python tools/quiet_pip.py "
-                                     "/nonexistent/venv/bin/pip install $(")
+                                     "/nonexistent/venv/bin/pip install --no-compile $(")
         assert '--spec "torch==2.13.0"' in torch_line and "--spec-given" not in torch_line
     assert "quiet_pip.py /nonexistent/venv/bin/pip install -e .\n" in lab and ".[test]" not in lab
     assert 'quiet_pip.py /nonexistent/venv/bin/pip install -e ".[test]"' in test
