@@ -168,6 +168,12 @@ def _start_a_stubborn_grandchild(path: str, leave_session: bool) -> int:
 
 def _worker_with_grandchild(folder: str, leave_session: bool, end: str) -> int:
     pid = _start_a_stubborn_grandchild(f"{folder}/{os.environ['RANK']}", leave_session)
+    # Every rank's grandchild exists before any rank fails or hangs: on a loaded machine, rank 1
+    # once failed while rank 0 had not yet started its own, which the launcher then stopped first.
+    deadline = time.monotonic() + 20
+    while not all(os.path.exists(f"{folder}/{r}") for r in range(int(os.environ["WORLD_SIZE"]))):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     if end == "raise":
         raise RuntimeError("failing on purpose")
     if end == "hang":
@@ -183,7 +189,8 @@ def test_no_grandchild_survives_its_worker(tmp_path, leave_session, end):
         launch(_worker_with_grandchild, 2, args=(str(tmp_path), leave_session, end), timeout=30)
     else:
         with pytest.raises(WorkerTimeout if end == "hang" else WorkerError):
-            launch(_worker_with_grandchild, 2, args=(str(tmp_path), leave_session, end), timeout=2)
+            # 8 s: both workers start and their grandchildren write their pids first, under load too
+            launch(_worker_with_grandchild, 2, args=(str(tmp_path), leave_session, end), timeout=8)
     assert time.monotonic() - t0 < 20
     pids = [int((tmp_path / str(r)).read_text()) for r in (0, 1)]
     _wait_gone(pids)
