@@ -15,6 +15,9 @@ gc.disable()
 # the terminal that started Jupyter.  multiprocessing's fork server ignores SIGINT once it serves;
 # this makes it ignore SIGINT from its start.  (The kernel's death still ends it: see prewarm.py.)
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+# The launcher spawned this process with SIGINT blocked (workers/startup.py, start_fork_server), so
+# that an interrupt before the line above waited; ignored now, it is dropped: unblock it again.
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 # This process is the fork server: it must never start one itself (see workers/prewarm.py).
 # Workers do not inherit this: they take the launching kernel's environment.

@@ -14,12 +14,11 @@ while the server starts, as during every launch: see ``startup.main_module_hidde
 
 from __future__ import annotations
 
-import multiprocessing.forkserver
 import os
 import sys
 import threading
 
-from .startup import fork_server_context, main_module_hidden
+from .startup import fork_server_context, main_module_hidden, start_fork_server
 
 __all__ = ["should_prewarm", "start_in_background", "wait_ready"]
 
@@ -59,7 +58,7 @@ def start_in_background() -> threading.Thread | None:
         ctx = fork_server_context()
         try:
             with main_module_hidden():
-                multiprocessing.forkserver.ensure_running()
+                start_fork_server()
                 # A no-op child: it returns once the server has finished importing torch.
                 child = ctx.Process(target=os.getpid, name="course-prewarm")
                 child.start()

@@ -1,7 +1,7 @@
 """What a launch prepares before its workers start: the fork server, ports, the payload, the environment.
 
 - ``fork_server_context``: the fork server workers are forked from (torch preloaded, see
-  ``supervisor``'s module doc);
+  ``supervisor``'s module doc), and ``start_fork_server``, which spawns it deaf to an early SIGINT;
 - ``free_port`` and ``loopback_listener``: ports on 127.0.0.1 that the operating system picked;
 - ``dumps_payload``: cloudpickle, keeping each shipped function's file name (a notebook cell's), so
   worker tracebacks quote the cell;
@@ -15,8 +15,11 @@ import contextlib
 import io
 import linecache
 import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -30,8 +33,8 @@ from cloudpickle import cloudpickle as _cp
 
 from .budget import cpu_threads_per_worker
 
-__all__ = ["PRELOAD", "free_port", "loopback_listener", "fork_server_context", "dumps_payload",
-           "main_module_hidden", "linecache_snapshot", "worker_env"]
+__all__ = ["PRELOAD", "free_port", "loopback_listener", "fork_server_context", "start_fork_server",
+           "dumps_payload", "main_module_hidden", "linecache_snapshot", "worker_env"]
 
 PRELOAD = "course_utils._preload"
 
@@ -72,6 +75,29 @@ def fork_server_context() -> Any:
             ctx.set_forkserver_preload([PRELOAD])
             _ctx = ctx
         return _ctx
+
+
+def start_fork_server() -> None:
+    """Start the fork server unless it runs, with SIGINT blocked in this thread while it is spawned.
+
+    Jupyter interrupts a kernel's whole process group when it shuts the kernel down, and the fork
+    server is in it.  The server inherits the blocked signal, so an interrupt that comes before it
+    has set SIGINT to ignored (the first lines of ``course_utils/_preload.py``, once Python has
+    started and imported multiprocessing) waits, and is then dropped, instead of ending the server's
+    start with a ``KeyboardInterrupt`` traceback on the terminal that started Jupyter.
+    (multiprocessing spawns its resource tracker the same way: CPython issue bpo-33613.)  The
+    spawn itself takes milliseconds: the server imports torch after it, with this thread unblocked.
+    Call it after :func:`fork_server_context` (which sets the preload list) and with
+    :func:`main_module_hidden` entered, as multiprocessing records ``__main__`` here.
+    """
+    # The resource tracker first: multiprocessing starts it from ensure_running() below unless it
+    # runs, and unblocks SIGINT in this thread once it has (instead of restoring the mask).
+    multiprocessing.resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 # --------------------------------------------------------------------------------------------

@@ -80,6 +80,7 @@ from .startup import (
     linecache_snapshot,
     loopback_listener,
     main_module_hidden,
+    start_fork_server,
     worker_env,
 )
 
@@ -163,6 +164,7 @@ def _start_rank(ctx: Any, rank: int, spec: dict, payload: bytes) -> tuple[_Rank,
         )
         try:
             with main_module_hidden():
+                start_fork_server()  # a new one, with the interrupt of a kernel shutdown blocked
                 proc.start()
             break
         except (EOFError, ConnectionError) as e:
