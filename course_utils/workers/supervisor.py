@@ -407,9 +407,12 @@ class _Supervisor:
         _kill_all(self.ranks)
         self._drain(1.0)
         # A rank whose own exception was still in its pipe when another rank's failure was seen
-        # (under load, the echo of a failure can be read before its cause) failed too.
+        # (under load, the echo of a failure can be read before its cause) failed too; also one
+        # whose exception has been read but whose exit not yet: the fork server, which reaps it and
+        # only then reports its exit code, can be late on a loaded machine (a rank 0 that raised
+        # first was once reported as "killed after rank 1 failed").
         for r in self.ranks:
-            if r.rank not in failures and r.exited and r.result is not None and not r.result.ok:
+            if r.rank not in failures and r.result is not None and not r.result.ok:
                 failures[r.rank] = r.failure()  # type: ignore[assignment]
         first = min(failures)
         for r in self.ranks:

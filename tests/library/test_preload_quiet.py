@@ -40,7 +40,7 @@ def _fork_server(parent: int) -> psutil.Process | None:
 
 
 # 0 s: the server is still starting Python and importing multiprocessing, before its first line of
-# course code (a loaded run printed a traceback from there: the launcher now spawns it with SIGINT
+# course code (a quiet run printed a traceback from there: the launcher now spawns it with SIGINT
 # blocked); 0.5 s: inside its import of torch (seconds).
 @pytest.mark.parametrize("after", [0.0, 0.5], ids=["at-once", "during-torch"])
 def test_a_kernel_shut_down_while_its_fork_server_imports_prints_nothing(after):
