@@ -194,6 +194,28 @@ def test_a_peers_echo_is_reported_as_the_echo_of_the_cause(tmp_path):
     assert "rank 1 raised ValueError: the cause" in str(e)
 
 
+def test_a_rank_whose_exception_arrived_before_its_exit_was_seen_is_reported_with_it(monkeypatch):
+    """The fork server reports a worker's exit only once it has reaped it, late on a loaded machine
+    (two busy runs labelled the echo's rank 'killed after rank 1 failed'): a rank whose exception
+    has been read counts as failed with it, not as stopped by the launcher."""
+    import selectors
+    import types
+
+    from course_utils.workers.errors import RankResult
+
+    monkeypatch.setattr(supervisor, "_kill_all", lambda ranks: None)
+    echo = supervisor._Rank(0, types.SimpleNamespace(exitcode=None, pid=-1), {}, result=RankResult.raised(
+        "RuntimeError", "[pair.cc:534] Connection closed by peer [127.0.0.1]:4242"))  # exit not seen yet
+    cause = supervisor._Rank(1, types.SimpleNamespace(exitcode=1, pid=-1), {},
+                             result=RankResult.raised("ValueError", "the cause"), exited=True)
+    sup = supervisor._Supervisor([echo, cause], selectors.DefaultSelector(), supervisor._NoDisplay(), 2)
+    with pytest.raises(WorkerError) as ei:
+        sup._fail({1: cause.failure()})
+    e = ei.value
+    assert e.failures[0].echo_of == 1 and e.failures[0].short() == "echoed rank 1's failure", e.failures[0]
+    assert "rank 1 raised ValueError: the cause" in str(e)
+
+
 def test_the_summary_marks_an_echo_only_when_its_cause_is_known():
     from course_utils.workers.errors import failure_summary
 
