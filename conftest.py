@@ -19,15 +19,6 @@ CPU operations on two OpenMP threads that wait for each other whenever another p
 core (measured: chapter 02's DataParallel cell took 36 s instead of 3 s next to one busy core).
 The launcher gives its workers their own thread budget either way, and ``make notebooks``, which
 writes the committed outputs, does not run under pytest.
-
-And OpenMP threads that wait without spinning (``OMP_WAIT_POLICY=PASSIVE``, unless already set):
-where a process does use several threads (the Slurm jobs' workers, which take their task's CPUs;
-chapter 02's DataParallel; the cells that time one thread against two), a thread that has finished
-its share of an operation otherwise spins up to 300,000 times waiting for the next one (libgomp's
-default, "GOMP_SPINCOUNT" in its manual), on a core that another test's process needs.  Measured on
-the 2-core machine, alone (CPU-seconds, twice each): ``tests/system/test_slurm.py`` 57 and 55 instead
-of 65 and 63, chapter 02's notebook 10 and 9 instead of 11 and 12.  Only the waiting changes, not
-what a thread computes.
 """
 
 from __future__ import annotations
@@ -46,7 +37,6 @@ TEST_TIMES = ROOT / "tests" / "seconds.json"
 UNKNOWN_SECONDS_PER_TEST = 2.0
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before any test imports torch (see above)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads its OpenMP library
 
 
 def expected_seconds() -> dict[str, float]:
