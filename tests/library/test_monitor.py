@@ -94,11 +94,19 @@ def dies_at(step_to_die: int, how: str, n: int = 100, flag: str = "") -> None:
         time.sleep(0.01 if rank == 1 else 0.02)
 
 
-def train_then_fail(fail_rank: int | None, n: int = 50) -> int:
+def train_then_fail(fail_rank: int, reported: str, n: int = 50) -> int:
+    """Every rank reports n steps; ``fail_rank`` raises at step 37, once the file ``reported``
+    says that another rank has sent its first report (on a loaded machine a rank can start
+    seconds after the others: without the wait, rank 0 was once stopped before any report)."""
     rank = int(os.environ["RANK"])
     for i in range(n):
         report(step=i + 1, total=n, loss=1.0 / (i + 1) + rank, samples_per_s=1000.0)
+        if rank != fail_rank and i == 0:
+            Path(reported).touch()
         if rank == fail_rank and i + 1 == 37:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(reported) and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise RuntimeError("boom")
         time.sleep(0.002)
     return rank
@@ -350,14 +358,18 @@ def test_the_curve_keeps_its_shape_and_its_last_point_when_decimated(monkeypatch
     assert xs == sorted(xs)
 
 
-def test_widget_display_state_after_a_run(capsys):
+def test_widget_display_state_after_a_run(capsys, tmp_path):
     disp = monitor.WidgetDisplay(2)
     with pytest.raises(WorkerError):
-        launch(train_then_fail, 2, args=(1,), timeout=60, display=disp)
+        launch(train_then_fail, 2, args=(1, str(tmp_path / "reported")), timeout=60, display=disp)
     capsys.readouterr()  # outside a kernel, display() prints reprs
     bar0, bar1 = disp.bars
-    assert (bar0.value, bar0.max, bar0.bar_style) == (50, 50, "success") or \
-        (bar0.max, bar0.bar_style) == (50, "danger")  # rank 0 finished or was stopped
+    # Rank 0 had reported before rank 1 raised. It then finished while the launcher gathered the
+    # last output, or was stopped (its last report may be its last step): red, at its length.
+    assert (bar0.max, bar0.bar_style) == (50, "danger"), (bar0.value, bar0.max, bar0.bar_style)
+    label0 = disp.labels[0].value
+    assert (bar0.value == 50 and "step 50/50, finished, but rank 1 failed" in label0) or \
+        (f"stopped at step {bar0.value}/50: killed after rank 1 failed" in label0), label0
     assert (bar1.value, bar1.max, bar1.bar_style) == (37, 50, "danger")
     assert "stopped at step 37/50: raised RuntimeError" in disp.labels[1].value
     assert "samples_per_s 1000" in disp.labels[1].value
