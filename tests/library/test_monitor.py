@@ -441,15 +441,18 @@ import os, time
 import course_utils
 from course_utils import launch, report
 
-def work(n, fail_at=None):
+def work(n, fail_at=None, flag=None):
     rank = int(os.environ["RANK"])
     for i in range(n):
         if fail_at and i + 1 > fail_at[rank]:
             if rank == 1:
-                # rank 0 reaches its step 5 in milliseconds; on a loaded machine its report could
-                # still be on the way when rank 1 failed at once (seen: "step 4/10" in one run)
-                time.sleep(0.5)
+                # rank 1 fails once rank 0 has sent its report of step 5 (the flag file): on a
+                # loaded machine rank 0 can start seconds after rank 1 (seen: "step 4/10" here once,
+                # and a rank 0 stopped before its first report in another test of this file)
+                while not os.path.exists(flag):
+                    time.sleep(0.01)
                 raise ValueError("bad batch")
+            open(flag, "w").close()
             time.sleep(60)  # rank 0 waits here until the launcher stops it
         report(step=i + 1, total=n, loss=1.0 / (i + 1) + 0.1 * rank)
         time.sleep(0.003)
@@ -460,7 +463,7 @@ LAUNCH_CELL = "# NBVAL_CHECK_OUTPUT\nresults = launch(work, 2, args=(30,), timeo
 FAIL_CELL = '''\
 # NBVAL_CHECK_OUTPUT
 try:
-    launch(work, 2, args=(10, {0: 5, 1: 7}), timeout=60)
+    launch(work, 2, args=(10, {0: 5, 1: 7}, os.path.abspath(f"reported-{time.time_ns()}")), timeout=60)
 except course_utils.WorkerError as e:
     print(e.summary)
 '''
