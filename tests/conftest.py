@@ -40,8 +40,21 @@ def no_leftover_processes():
     while left and psutil.time.time() < deadline:
         psutil.time.sleep(0.2)
         left = _descendants() - before
-    alive = [psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]
-    assert not left, f"processes left running: {alive}"
+    assert not left, "processes left running:\n" + "\n".join(_describe(p) for p in sorted(left))
+
+
+def _describe(pid: int) -> str:
+    """A leftover process with its parent and age, to tell where it came from."""
+    def cmd(p: psutil.Process) -> str:
+        return " ".join(p.cmdline())[:300]
+    try:
+        proc = psutil.Process(pid)
+        parent = proc.parent()
+        age = psutil.time.time() - proc.create_time()
+        return (f"  pid {pid}, {age:.1f} s old, {proc.num_fds()} fds: {cmd(proc)}\n"
+                f"    parent {parent.pid if parent else '?'}: {cmd(parent) if parent else '?'}")
+    except psutil.Error as e:
+        return f"  pid {pid}: {type(e).__name__} (it ended meanwhile)"
 
 
 @pytest.fixture
