@@ -164,6 +164,22 @@ def _started(nb) -> bool:
     return any(re.search(r"\[(\*|\d+)\]", t) for t in nb.locator(".jp-InputPrompt").all_inner_texts())
 
 
+def _click_unless_a_dialog_covers(page, target) -> None:
+    """Click ``target``; when JupyterLab keeps a dialog over it, fail with the dialog's text.
+
+    A quiet run of the suite once found the first cell covered by a JupyterLab dialog for 45 s (its
+    rerun passed); the click's own error names only the element, not what the dialog said."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        target.click(timeout=45_000)
+    except PlaywrightTimeout:
+        dialogs = page.locator(".jp-Dialog").all_inner_texts()
+        if not dialogs:
+            raise
+        raise AssertionError(f"a JupyterLab dialog covered the notebook: {dialogs}") from None
+
+
 def _run_all_cells(page, nb, attempts: int = 2, wait_s: float = 60.0) -> None:
     """Run > Run All Cells from the menu bar, as a learner does, until the notebook starts running.
 
@@ -176,7 +192,7 @@ def _run_all_cells(page, nb, attempts: int = 2, wait_s: float = 60.0) -> None:
     """
     seen = []
     for _ in range(attempts):
-        nb.locator(".jp-Cell").first.click()  # the notebook has the focus
+        _click_unless_a_dialog_covers(page, nb.locator(".jp-Cell").first)  # the notebook has the focus
         page.get_by_role("menuitem", name="Run", exact=True).click()
         item = page.get_by_role("menuitem", name="Run All Cells", exact=True)
         seen.append(f"aria-disabled={item.get_attribute('aria-disabled')}")
