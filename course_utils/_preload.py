@@ -19,7 +19,9 @@ signal.signal(signal.SIGINT, signal.SIG_IGN)
 # that an interrupt before the line above waited; ignored now, it is dropped: unblock it again.
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
-# This process is the fork server: it must never start one itself (see workers/prewarm.py).
+# This process is the fork server: it must never start one itself.  The package's __init__ (which
+# can start one, workers/prewarm.py) has already run when this line does, so prewarm.should_prewarm
+# recognises a fork server by its command line; this keeps anything imported later from trying.
 # Workers do not inherit this: they take the launching kernel's environment.
 os.environ["COURSE_PREWARM"] = "0"
 

@@ -4,9 +4,11 @@ The first ``launch`` of a kernel otherwise pays for starting the fork server, wh
 (about 2 s).  In a notebook, the learner reads for a few seconds between the import cell and the
 first launch: starting the server then, in a background thread, makes that first launch as quick
 as the following ones.  It happens only in a Jupyter kernel: not in worker processes, not under
-``torchrun`` or plain ``python``, not in test processes (unless ``COURSE_PREWARM=1``); and
-``COURSE_PREWARM=0`` turns it off.  The background start ends by forking one no-op child through
-the server, which returns once the server has imported torch: :func:`wait_ready` waits for that.
+``torchrun`` or plain ``python``, not in test processes (unless ``COURSE_PREWARM=1``), never in a
+fork server itself (it has the kernel's environment: with ``COURSE_PREWARM=1``, each server once
+started a server of its own); and ``COURSE_PREWARM=0`` turns it off.  The background start ends by
+forking one no-op child through the server, which returns once the server has imported torch:
+:func:`wait_ready` waits for that.
 The fork server exits with its kernel, so a kernel that never launches anything leaves nothing
 behind.  (With ``COURSE_PREWARM=1`` in a script, ``__main__.__file__`` is hidden for a moment
 while the server starts, as during every launch: see ``startup.main_module_hidden``.)
@@ -34,10 +36,16 @@ def _in_notebook_kernel() -> bool:
     return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
+def _is_fork_server() -> bool:
+    """Whether this process is a multiprocessing fork server (``-c "from multiprocessing.forkserver
+    import main; ..."``): it imports ``course_utils`` with its preload, with the kernel's environment."""
+    return any(a.startswith("from multiprocessing.forkserver import main") for a in sys.orig_argv)
+
+
 def should_prewarm() -> bool:
     """Whether this process is one where a background fork server start pays off."""
     setting = os.environ.get("COURSE_PREWARM", "")
-    if setting == "0":
+    if setting == "0" or _is_fork_server():
         return False
     if os.environ.get("COURSE_LAUNCHER") or os.environ.get("TORCHELASTIC_RUN_ID"):
         return False  # a worker, or a script under torchrun

@@ -143,6 +143,18 @@ def test_a_worker_or_a_torchrun_script_starts_none_even_when_asked():
     assert _probe({"COURSE_PREWARM": "1", "COURSE_LAUNCHER": "1"}) == 0
 
 
+def test_a_fork_server_starts_none_even_with_prewarm_asked_for():
+    """A fork server has the kernel's environment, COURSE_PREWARM=1 included, and imports the package."""
+    code = ("from multiprocessing.forkserver import main\n"
+            "from course_utils.workers import prewarm\n"
+            "print(prewarm.should_prewarm())")
+    env = {k: v for k, v in os.environ.items() if k != "COURSE_LAUNCHER"}
+    env["COURSE_PREWARM"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=ROOT, check=True).stdout.split()
+    assert out == ["False"], out
+
+
 def _gone_within(pid: int, seconds: float) -> bool:
     """Whether process ``pid`` has ended (or is a zombie nobody reaped yet) within ``seconds``."""
     deadline = time.monotonic() + seconds
@@ -168,14 +180,18 @@ def test_prewarm_starts_the_fork_server_in_the_background_the_first_launch_uses_
         assert prewarm.wait_ready(90)  # the learner reads the notebook meanwhile
         servers = [p.pid for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
         parents = course_utils.launch(os.getppid, 2, display=None)
-        print(json.dumps({"servers": servers, "parents": parents}))
+        nested = [" ".join(c.cmdline()) for s in servers for c in psutil.Process(s).children()]
+        print(json.dumps({"servers": servers, "parents": parents, "nested": nested}))
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("COURSE_PREWARM", "COURSE_LAUNCHER")}
     env["COURSE_PREWARM"] = "1"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=env, cwd=ROOT, check=True).stdout.splitlines()
-    servers, parents = json.loads(out[-1]).values()
+    servers, parents, nested = json.loads(out[-1]).values()
     assert len(servers) == 1, out  # started in the background, before any launch
+    # The server has the process's environment (COURSE_PREWARM=1) and imports course_utils: it must
+    # not prewarm a server of its own (it did, until should_prewarm recognised a fork server).
+    assert nested == [], nested
     assert parents == [servers[0]] * 2, f"the first launch did not use the prewarmed server: {out}"
     # The process has exited: its fork server must be gone too (the autouse fixture checks this
     # process's own children; this one belonged to the finished process).
