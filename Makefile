@@ -105,12 +105,14 @@ exercises: $(BIN)/.installed
 # Before each notebook, benchmarks/quiet.py waits (up to 2 min) for other processes to leave the
 # cores alone, and stops the run when they do not; QUIET=skip records anyway.
 # NOTEBOOKS="notebooks/02_data_parallel.ipynb ..." re-runs those only and keeps the other results.
+# The tables that quote these results (INSTRUCTORS.md, docs/jupyterhub.md) are rewritten after.
 QUIET ?= check
 notebooks: $(BIN)/.installed
 	$(BIN)/python benchmarks/chapter_times.py --record $(if $(filter skip,$(QUIET)),,--quiet-wait 120) \
 		$(if $(NOTEBOOKS),--merge $(NOTEBOOKS)) \
 		--note "make notebooks$(if $(filter skip,$(QUIET)), with QUIET=skip: the machine was not checked,; benchmarks/quiet.py found it quiet before each notebook)"
 	$(BIN)/python benchmarks/chapter_table.py --write
+	$(BIN)/python benchmarks/room_simulation.py --markdown --write
 	$(BIN)/python tools/exercises.py
 
 # Works before `make lab` too: it then says what is missing and how to install it.
