@@ -200,19 +200,24 @@ def test_loading_a_cut_short_checkpoint_fails_and_says_so(tmp_path, keep):
         train.load_checkpoint(str(path), model, torch.optim.Adam(model.parameters()), "cpu")
 
 
-def test_a_preemption_warning_stops_every_rank_after_the_same_step_and_resumes_equal(job):
+def test_a_preemption_warning_reaches_every_worker_through_torchrun_and_they_stop_together(job):
     """SIGUSR1 to torchrun's agent (what srun forwards from the batch shell): with SIGUSR1 among
-    --signals-to-handle the agent passes it on; the workers save one step and stop; the resumed run
-    ends bit-identical to an uninterrupted one."""
+    --signals-to-handle the agent passes it on (and then ends itself, with the signal as its error:
+    torchrun treats every signal it handles as a death signal); both workers stop after the same
+    step, and rank 0 saves that step's checkpoint.
+
+    That a run resumed from this checkpoint ends bit-identical to an uninterrupted one is
+    tests/system/test_slurm.py's preemption test (the same script and signal, under Slurm), which
+    CI runs; it is not repeated here, where it took two more torchrun jobs."""
     import signal
     import subprocess
 
     agent = TORCHRUN + ["--standalone", "--nproc_per_node=2",
                         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "ch06_train.py",
                         "--steps", "16", "--save-every", "5", "--log-every", "0"]
-    ckpt = ["--ckpt", str(job / "ckpt.pt")]
+    ckpt = job / "ckpt.pt"
     env = dict(os.environ, **QUIET)
-    first = subprocess.Popen(agent + ckpt + ["--step-time", "0.4"], cwd=NOTEBOOKS, env=env,
+    first = subprocess.Popen(agent + ["--ckpt", str(ckpt), "--step-time", "0.4"], cwd=NOTEBOOKS, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
@@ -226,15 +231,10 @@ def test_a_preemption_warning_stops_every_rank_after_the_same_step_and_resumes_e
             first.kill()
             first.wait()
     out = "".join(lines)
+    assert f"Received {int(signal.SIGUSR1)} death signal" in out and "closing signal SIGUSR1" in out, out
     stopped = [x for x in lines if "preemption warning: stopped after step" in x]
     assert len(stopped) == 1, out  # rank 0 logs it once, for all
     step = int(stopped[0].split("after step ")[1].split(",")[0])
     assert 5 <= step < 16 and f"step {step:3d}  checkpoint saved" in out, out
-    assert torch.load(job / "ckpt.pt", weights_only=True)["step"] == step
-    (second,) = run_commands({"resume": agent + ckpt + ["--out", str(job / "resumed.pt")]}, timeout=120,
-                             env=QUIET, cwd=NOTEBOOKS, echo=False)
-    assert f"resumed from ckpt.pt at step {step}" in second.output and second.returncode == 0, second.output
-    (plain,) = run_commands({"plain": agent + ["--out", str(job / "plain.pt")]}, timeout=120, env=QUIET,
-                            cwd=NOTEBOOKS, echo=False)
-    a, b = (torch.load(job / f"{n}.pt", weights_only=True) for n in ("resumed", "plain"))
-    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run differs from the uninterrupted one"
+    assert "done: 16 steps" not in out, out
+    assert torch.load(ckpt, weights_only=True)["step"] == step

@@ -159,6 +159,24 @@ def jupyterlab(folder: Path, home: Path):
                 p.kill()
 
 
+def _wait_kernel_idle(page, base: str, token: str, home: Path) -> None:
+    """Wait until the visible notebook's kernel is idle, for up to 150 s.
+
+    A kernel starts a new Python (ipykernel, then the course's imports): one run of the suite on the
+    2-core machine, with the other test processes busy, waited more than 45 s for it (the retry
+    passed).  A timeout names what the server knew of its kernels and the end of its log."""
+    try:
+        page.wait_for_function(KERNEL_IDLE_JS, polling=500, timeout=150_000)
+    except Exception as e:
+        try:
+            kernels = [(k["name"], k["execution_state"]) for k in _api(base, token, "/api/kernels")]
+        except (OSError, ValueError) as api_error:
+            kernels = f"unknown ({api_error})"
+        log = (home / "server.log").read_text()[-2000:]
+        raise AssertionError(f"the notebook's kernel was not idle 150 s after the page opened; the "
+                             f"server's kernels: {kernels}; its log ends:\n{log}") from e
+
+
 def _started(nb) -> bool:
     """Whether the notebook has started running: a prompt shows [*] (queued or running) or a number."""
     return any(re.search(r"\[(\*|\d+)\]", t) for t in nb.locator(".jp-InputPrompt").all_inner_texts())
@@ -236,7 +254,7 @@ def test_learner_view_in_chromium(no_leftover_processes):
                 nb01.locator("h1").first.wait_for()
                 assert nb01.locator("h1").first.inner_text().startswith("01 ")
                 assert nb01.locator(".jp-OutputArea-output img").count() > 0  # committed figures
-                page.wait_for_function(KERNEL_IDLE_JS)
+                _wait_kernel_idle(page, base, token, home)
                 remember_kernels()
 
                 # The progress notebook, run from the menu (a workspace of its own: the only notebook
@@ -244,7 +262,7 @@ def test_learner_view_in_chromium(no_leftover_processes):
                 page.goto(f"{base}/lab/workspaces/progress/tree/progress_demo.ipynb?token={token}")
                 nb = page.locator(".jp-NotebookPanel:visible .jp-Notebook")
                 nb.locator(".jp-Cell").nth(2).wait_for()
-                page.wait_for_function(KERNEL_IDLE_JS)
+                _wait_kernel_idle(page, base, token, home)
                 remember_kernels()
                 # Watch the page for the live widgets from before the run starts: on a slow machine
                 # polling could miss them, on a fast one they are replaced within seconds.

@@ -5,13 +5,12 @@ namespace of its own (see the module). On it:
 
 - ``ch06_slurm.sbatch`` (torchrun on every node): the agents rendezvous across the link, training
   ends with the expected result, and every worker may use the CPUs its task asked for;
-- the same job requeued mid-run (``scontrol requeue``) resumes from its checkpoint and ends with a
-  model bit-identical to the uninterrupted run's;
 - a preemption warning (``scancel --signal=USR1 --batch``, what ``--signal=B:USR1@300`` sends before
   the time limit) makes every worker stop after the same step with its checkpoint; the batch shell
   requeues the job, which resumes there and ends equal to the uninterrupted run;
 - two clusters started at once get subnets of their own and both run a job;
-- ``ch06_slurm_srun.sh`` (srun alone, no torchrun) trains the same model;
+- ``ch06_slurm_srun.sh`` (srun alone, no torchrun), requeued mid-run (``scontrol requeue``),
+  resumes from its checkpoint and ends with the same model as the uninterrupted torchrun job;
 - the cluster leaves no process, namespace or file behind, also when the code using it fails, and
   also (its reaper) when the process that started it is killed;
 - the controller listens in a namespace of its own, not on this machine's addresses.
@@ -125,27 +124,6 @@ def test_torchrun_template_trains_on_two_nodes_with_the_cpus_it_asked_for(uninte
     assert "done: 20 steps" in uninterrupted
 
 
-def test_requeued_job_resumes_from_its_checkpoint_and_ends_equal(cluster, work, uninterrupted):
-    job = _submit(cluster, work, "ch06_slurm.sbatch", "requeued", "--step-time", "0.4")
-    log_path = work / f"requeued-{job}.out"
-    deadline = time.monotonic() + 90
-    while "step  10  checkpoint saved" not in (log_path.read_text() if log_path.exists() else ""):
-        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), cluster.job(job)
-        assert time.monotonic() < deadline, log_path.read_text() if log_path.exists() else "no log"
-        time.sleep(0.2)
-    cluster.run("scontrol", "requeue", job)
-    # Slurm holds a requeued job back for a while (Reason=BeginTime); let it start at once.
-    cluster.release(job)
-    info, log = _finish(cluster, work, job, "requeued")
-    assert info["Restarts"] == "1"
-    assert f"Slurm job {job} run 0" in log and f"Slurm job {job} run 1" in log, log
-    # The checkpoint is named after the job (RUN_ID = name-jobid): a requeued job keeps its id.
-    resumed = [line for line in log.splitlines() if f"resumed from requeued-{job}.pt at step" in line]
-    assert resumed and int(resumed[0].split()[-1]) >= 10, log
-    assert "done: 20 steps" in log
-    assert _same_model(work / "plain.pt", work / "requeued.pt"), "requeued run differs"
-
-
 def _log_of(path):
     return path.read_text() if path.exists() else ""
 
@@ -213,16 +191,35 @@ def test_two_clusters_started_at_once_both_run():
     assert said[0][0] != said[1][0], f"both took {said[0][0]}"
 
 
-def test_srun_only_template_trains_the_same_model(cluster, work, uninterrupted):
-    job = _submit(cluster, work, "ch06_slurm_srun.sh", "sruntasks", options=["--ntasks-per-node=1"])
-    _, log = _finish(cluster, work, job, "sruntasks")
-    workers = _env_lines(log)
-    assert sorted((w["SLURMD_NODENAME"], w["RANK"], w["LOCAL_RANK"], w["WORLD_SIZE"]) for w in workers) == [
+def test_srun_only_template_trains_the_same_model_and_a_requeued_job_resumes(cluster, work, uninterrupted):
+    """The template without torchrun, requeued mid-run (``scontrol requeue``: Slurm ends every task
+    and queues the job again): the second run resumes from the checkpoint the first one saved, and
+    the job ends with the same model as the torchrun template's uninterrupted run."""
+    job = _submit(cluster, work, "ch06_slurm_srun.sh", "sruntasks", "--step-time", "0.4",
+                  options=["--ntasks-per-node=1"])
+    log_path = work / f"sruntasks-{job}.out"
+    deadline = time.monotonic() + 90
+    while "step  10  checkpoint saved" not in _log_of(log_path):
+        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), cluster.job(job)
+        assert time.monotonic() < deadline, _log_of(log_path) or "no log"
+        time.sleep(0.2)
+    cluster.run("scontrol", "requeue", job)
+    # Slurm holds a requeued job back for a while (Reason=BeginTime); let it start at once.
+    cluster.release(job)
+    info, log = _finish(cluster, work, job, "sruntasks")
+    assert info["Restarts"] == "1", info
+    assert f"Slurm job {job} run 0" in log and f"Slurm job {job} run 1" in log, log
+    workers = _env_lines(log)  # both runs' workers
+    assert sorted({(w["SLURMD_NODENAME"], w["RANK"], w["LOCAL_RANK"], w["WORLD_SIZE"]) for w in workers}) == [
         ("node1", "0", "0", "2"), ("node2", "1", "0", "2")], workers
     assert all(w["TORCHELASTIC_RESTART_COUNT"] is None for w in workers)  # no torchrun involved
     for w in workers:
         assert len(w["cpus"]) == CPUS, w
-    assert _same_model(work / "plain.pt", work / "sruntasks.pt"), "srun-only run differs"
+    # The checkpoint is named after the job (RUN_ID = name-jobid): a requeued job keeps its id.
+    resumed = [line for line in log.splitlines() if f"resumed from sruntasks-{job}.pt at step" in line]
+    assert resumed and int(resumed[0].split()[-1]) >= 10, log
+    assert log.count("done: 20 steps") == 1, log
+    assert _same_model(work / "plain.pt", work / "sruntasks.pt"), "the requeued srun-only run differs"
 
 
 def test_a_failing_block_leaves_nothing_behind():
