@@ -282,6 +282,11 @@ class ListenWatch:
     which sees into the private network ``run_commands`` gives its commands): a socket that lives
     shorter than that can be missed, which is why ``polls`` is kept (a test can ask that it saw
     several).  ``private`` holds the sockets that were inside such a network.
+
+    Another thread may read ``seen`` and ``private`` while the watch runs: each poll that finds
+    something new replaces them with new objects instead of changing them, so a loop over either
+    never sees it change under it (a loop over the dict being filled raised "dictionary changed size
+    during iteration" in one run of the suite).
     """
 
     def __init__(self, every: float = 0.2):
@@ -294,11 +299,16 @@ class ListenWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            seen, private_ones = dict(self.seen), set(self.private)
             for pid, ip, port, private in listening(_descendants(os.getpid())):
-                if (pid, ip, port) not in self.seen:
-                    self.seen[pid, ip, port] = _command_line(pid)
+                if (pid, ip, port) not in seen:
+                    seen[pid, ip, port] = _command_line(pid)
                 if private:
-                    self.private.add((pid, ip, port))
+                    private_ones.add((pid, ip, port))
+            if len(private_ones) != len(self.private):  # first: a socket in seen is in private if it is
+                self.private = private_ones
+            if len(seen) != len(self.seen):
+                self.seen = seen
             self.polls += 1
             self._stop.wait(self.every)
 

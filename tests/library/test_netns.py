@@ -120,6 +120,32 @@ except socket.gaierror as e:
 """
 
 
+def test_a_loop_over_what_the_watch_saw_may_run_while_it_watches(monkeypatch):
+    """Another thread reads ``seen`` and ``private`` while the watch adds to them (the probe above
+    does): a loop over the dict being filled raised "dictionary changed size during iteration" in
+    one run of the suite.  Here a socket appears at every poll, every half millisecond."""
+    found = iter(range(10**9))
+
+    def one_more(pids):
+        n = next(found)
+        return [(1000 + n, "0.0.0.0", 20000 + n, n % 2 == 0)]  # every other one in a private network
+
+    monkeypatch.setattr(netns, "_descendants", lambda pid: [])
+    monkeypatch.setattr(netns, "listening", one_more)
+    monkeypatch.setattr(netns, "_command_line", lambda pid: f"command of {pid}")
+    raced = 0  # loops during which the watch polled
+    with netns.ListenWatch(every=0.0005) as watch:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            polls = watch.polls
+            for pid, _, _ in watch.seen:
+                time.sleep(0.0002)
+                assert ((pid, "0.0.0.0", pid + 19000) in watch.private) == (pid % 2 == 0)
+            raced += watch.polls > polls
+    assert raced >= 1, watch.polls
+    assert len(watch.seen) == watch.polls and len(watch.private) == (watch.polls + 1) // 2
+
+
 @LINUX
 def test_a_store_in_the_private_network_names_its_peers_without_warnings():
     """c10d formats every accepted peer with ``getnameinfo``; with no name server reachable the C
