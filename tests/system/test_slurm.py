@@ -128,22 +128,28 @@ def _log_of(path):
     return path.read_text() if path.exists() else ""
 
 
+def _wait_for_line(cluster, job, log_path, line, timeout=90):
+    """Wait until the job's log shows ``line``, while the job is still pending or running."""
+    deadline = time.monotonic() + timeout
+    while line not in _log_of(log_path):
+        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), cluster.job(job)
+        assert time.monotonic() < deadline, _log_of(log_path) or "no log"
+        time.sleep(0.1)
+
+
 def test_a_preemption_warning_saves_requeues_and_resumes_equal(cluster, work, uninterrupted):
     # 0.4 s a step in the first run: 6 s of training left after step 5 for the warning to arrive
     # (it took less than one 0.2 s step at a load of 12); the run stops early, so it costs little.
     job = _submit(cluster, work, "ch06_slurm.sbatch", "warned", "--step-time", "0.4")
     log_path = work / f"warned-{job}.out"
-    deadline = time.monotonic() + 90
-    while "step   5  checkpoint saved" not in _log_of(log_path):
-        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), cluster.job(job)
-        assert time.monotonic() < deadline, _log_of(log_path) or "no log"
-        time.sleep(0.1)
+    _wait_for_line(cluster, job, log_path, "step   5  checkpoint saved")
+    deadline = time.monotonic() + 150
     cluster.run("scancel", "--signal=USR1", "--batch", job)  # to the batch shell only, as B: does
     # The shell passes it on and, once the workers have saved and stopped, requeues the job.
     while "requeueing job" not in _log_of(log_path) or cluster.job(job).get("JobState") != "PENDING":
         assert cluster.job(job).get("JobState") in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), \
             f"{cluster.job(job)}\n{_log_of(log_path)}"
-        assert time.monotonic() < deadline + 60, _log_of(log_path)
+        assert time.monotonic() < deadline, _log_of(log_path)
         time.sleep(0.2)
     cluster.release(job)
     info, log = _finish(cluster, work, job, "warned")
@@ -198,11 +204,7 @@ def test_srun_only_template_trains_the_same_model_and_a_requeued_job_resumes(clu
     job = _submit(cluster, work, "ch06_slurm_srun.sh", "sruntasks", "--step-time", "0.4",
                   options=["--ntasks-per-node=1"])
     log_path = work / f"sruntasks-{job}.out"
-    deadline = time.monotonic() + 90
-    while "step  10  checkpoint saved" not in _log_of(log_path):
-        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), cluster.job(job)
-        assert time.monotonic() < deadline, _log_of(log_path) or "no log"
-        time.sleep(0.2)
+    _wait_for_line(cluster, job, log_path, "step  10  checkpoint saved")
     cluster.run("scontrol", "requeue", job)
     # Slurm holds a requeued job back for a while (Reason=BeginTime); let it start at once.
     cluster.release(job)
