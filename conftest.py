@@ -23,11 +23,8 @@ writes the committed outputs, does not run under pytest.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,6 +34,9 @@ TEST_TIMES = ROOT / "tests" / "seconds.json"
 UNKNOWN_SECONDS_PER_TEST = 2.0
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before any test imports torch (see above)
+
+# Every kernel the suite starts talks over Unix sockets, not TCP ports (tests/kernel_sockets.py says why).
+pytest_plugins = ["tests.kernel_sockets"]
 
 
 def expected_seconds() -> dict[str, float]:
@@ -84,58 +84,3 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for report in _RERUN_REPORTS:
         terminalreporter.write_sep("-", f"first failure of {report.nodeid} (then retried)")
         terminalreporter.write_line(report.longreprtext[-4000:])
-
-
-# Every kernel a test starts (nbval's for each notebook, and those of tests that run a notebook with
-# nbclient or a KernelManager: test_exercises, test_monitor, test_three_learners) talks to its
-# client over Unix sockets (ZeroMQ's ipc transport), not TCP.  Over TCP, jupyter_client picks five
-# ports that are free at that moment and the kernel binds them a moment later; on a busy machine
-# another process of the run (a gloo connection, a TCPStore, a torchrun agent) can take one in
-# between, and the kernel exits before its first reply: "Kernel died before replying to
-# kernel_info", seen in a fresh-clone run beside two busy loops.  A Unix socket is a file in a
-# folder of this process's own: there is no port to lose.
-_KERNEL_SOCKETS: list[Path] = []
-_KERNEL_MANAGER: list[type] = []
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    try:
-        import jupyter_client
-        import jupyter_client.manager
-    except ImportError:  # no kernels to start
-        return
-    folder = Path(tempfile.mkdtemp(prefix="kernel-sockets-"))
-    _KERNEL_SOCKETS.append(folder)
-    names = itertools.count()
-
-    def over_unix_sockets(manager: type) -> type:
-        class UnixSocketKernelManager(manager):
-            def __init__(self, **kwargs):
-                kwargs.setdefault("transport", "ipc")
-                kwargs.setdefault("ip", str(folder / f"kernel{next(names)}"))
-                super().__init__(**kwargs)
-
-        name = f"UnixSocket{manager.__name__}"
-        UnixSocketKernelManager.__name__ = UnixSocketKernelManager.__qualname__ = name
-        return UnixSocketKernelManager
-
-    # nbclient's default manager is jupyter_client.AsyncKernelManager, looked up when a client starts;
-    # a test that starts a kernel itself takes the fixture `kernel_manager_class` below.
-    jupyter_client.AsyncKernelManager = over_unix_sockets(jupyter_client.AsyncKernelManager)
-    _KERNEL_MANAGER.append(over_unix_sockets(jupyter_client.manager.KernelManager))
-    try:
-        import nbval.kernel
-    except ImportError:
-        return
-    nbval.kernel.KernelManager = _KERNEL_MANAGER[0]
-
-
-@pytest.fixture(scope="session")
-def kernel_manager_class() -> type:
-    """jupyter_client's KernelManager, over Unix sockets (see above)."""
-    return _KERNEL_MANAGER[0]
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    for folder in _KERNEL_SOCKETS:
-        shutil.rmtree(folder, ignore_errors=True)

@@ -140,6 +140,11 @@ def run_notebook(path: Path, *, timeout: int = 600, interval: float = 0.25,
         cmd = [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
                f"--ExecutePreprocessor.timeout={timeout}", "--output-dir", str(out_dir),
                "--output", path.stem, str(path)]
+        if os.name == "posix":
+            # The kernel talks to nbconvert over Unix sockets in out_dir, not TCP ports, which
+            # another program could take between nbconvert's choice and the kernel's bind (a kernel
+            # then dies before its first reply).
+            cmd += ["--KernelManager.transport=ipc", f"--KernelManager.ip={out_dir / 'kernel'}"]
         full_env = dict(os.environ, COURSE_PROGRESS="off", **(env or {}))
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=path.parent, env=full_env, stdout=subprocess.PIPE,

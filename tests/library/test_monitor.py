@@ -528,8 +528,10 @@ def test_headless_fallback_is_deterministic_under_nbval(tmp_path):
     nbformat.write(nb, path)
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+         "-p", "tests.kernel_sockets",  # its kernel over Unix sockets, as in the suite
          "--nbval", "--nbval-sanitize-with", str(ROOT / "tests" / "nbval_sanitize.cfg"), str(path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180)
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)))  # where -p finds tests/kernel_sockets.py
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert "3 passed" in res.stdout
 

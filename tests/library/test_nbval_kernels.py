@@ -1,4 +1,5 @@
-"""The suite's kernels talk over Unix sockets (conftest.py says why): no TCP port chosen for them to lose."""
+"""The suite's kernels talk over Unix sockets (tests/kernel_sockets.py says why): no TCP port chosen for them
+to lose."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def test_a_notebook_kernel_answers_over_the_unix_sockets_it_was_given():
 
 
 def test_a_kernel_started_by_nbclient_uses_unix_sockets_too():
-    """test_exercises, test_monitor and test_three_learners run notebooks with nbclient, whose default
-    manager is jupyter_client.AsyncKernelManager."""
+    """test_exercises and test_monitor run notebooks with nbclient, whose default manager is
+    jupyter_client.AsyncKernelManager."""
     import nbformat
     from nbclient import NotebookClient
 

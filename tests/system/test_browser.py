@@ -1,6 +1,6 @@
 """The course as a learner sees it: JupyterLab in a real (headless) Chromium.
 
-JupyterLab is started on a free port from a temporary copy of chapter 01 and of a small notebook
+JupyterLab is started on a port of its own from a temporary copy of chapter 01 and of a small notebook
 whose workers report progress for a few seconds, then run chapter 04's training script
 (``ch04_train.main``, as lesson 04 does).  The browser opens chapter 01 (it must render with its
 committed outputs and start its kernel), then opens the progress notebook and runs all its cells
@@ -33,8 +33,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from course_utils import free_port
-
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -43,6 +41,17 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-quic"
 # The visible notebook's kernel has started and is idle (the toolbar's execution indicator).
 KERNEL_IDLE_JS = ("() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) "
                   ".jp-Notebook-ExecutionIndicator')].some(e => e.getAttribute('data-status') === 'idle')")
+# What the page shows of its kernels, for the message when the wait above gives up.
+KERNEL_SHOWN_JS = """() => ({
+  indicators: [...document.querySelectorAll('.jp-Notebook-ExecutionIndicator')].map(
+    e => e.getAttribute('data-status')),
+  panels: [...document.querySelectorAll('.jp-NotebookPanel')].map(
+    p => p.classList.contains('lm-mod-hidden') ? 'hidden' : 'shown'),
+  kernelNames: [...document.querySelectorAll('.jp-KernelName, .jp-Toolbar-kernelName')].map(
+    e => e.innerText),
+  statusBar: [...document.querySelectorAll('.jp-StatusBar-TextItem')].map(e => e.innerText),
+  dialogs: [...document.querySelectorAll('.jp-Dialog')].map(e => e.innerText.slice(0, 200)),
+})"""
 
 # Records what the live display showed: the most progress bars at once, the header while running,
 # and whether a metrics line named a step.
@@ -105,8 +114,14 @@ def _api(base: str, token: str, path: str, method: str = "GET") -> object:
 
 @contextlib.contextmanager
 def jupyterlab(folder: Path, home: Path):
-    """A JupyterLab server on a free port serving ``folder``; everything it started is stopped after."""
-    port, token = free_port(), secrets.token_hex(16)
+    """A JupyterLab server serving ``folder``; everything it started is stopped after.
+
+    It listens on a port the system gives it (``--port=0``, read back from the server's runtime
+    file): a port chosen here and handed over would be free when chosen but could be taken by another
+    test's process before the server binds it.  For the same reason its kernels talk over Unix
+    sockets (tests/kernel_sockets.py); their paths are in ``home``/runtime, short enough for one.
+    """
+    token = secrets.token_hex(16)
     settings = home / "lab-settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     # no "news" pop-up over the notebook (it would also try the closed network)
@@ -119,22 +134,26 @@ def jupyterlab(folder: Path, home: Path):
     env.update(HOME=str(home), JUPYTER_CONFIG_DIR=str(home / "config"),
                JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_DATA_DIR=str(home / "data"),
                COURSE_PROGRESS="off", IPYTHONDIR=str(home / "ipython"))
-    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--notebook-dir={folder}",
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", "--port=0",
+           "--ServerApp.port_retries=0", "--KernelManager.transport=ipc",
+           f"--IdentityProvider.token={token}", f"--notebook-dir={folder}",
            f"--LabApp.user_settings_dir={home / 'lab-settings'}",
            f"--LabApp.workspaces_dir={home / 'workspaces'}", "--allow-root"]
     log = open(home / "server.log", "w")  # noqa: SIM115  (closed below)
     server = subprocess.Popen(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    base = ""
     seen: set[psutil.Process] = set()
     try:
         deadline = time.monotonic() + 60
         while True:
             try:
+                if not base:
+                    info = json.loads(next((home / "runtime").glob("jpserver-*.json")).read_text())
+                    base = f"http://127.0.0.1:{info['port']}"
                 _api(base, token, "/api/status")
                 break
-            except OSError:
+            except (OSError, StopIteration, ValueError, KeyError):
                 if server.poll() is not None or time.monotonic() > deadline:
                     log.flush()
                     pytest.fail("JupyterLab did not start:\n" + (home / "server.log").read_text()[-3000:])
@@ -172,9 +191,14 @@ def _wait_kernel_idle(page, base: str, token: str, home: Path) -> None:
             kernels = [(k["name"], k["execution_state"]) for k in _api(base, token, "/api/kernels")]
         except (OSError, ValueError) as api_error:
             kernels = f"unknown ({api_error})"
+        try:
+            shown = page.evaluate(KERNEL_SHOWN_JS)
+        except Exception as page_error:  # noqa: BLE001  (the page itself may be what is broken)
+            shown = f"unknown ({page_error})"
         log = (home / "server.log").read_text()[-2000:]
         raise AssertionError(f"the notebook's kernel was not idle 150 s after the page opened; the "
-                             f"server's kernels: {kernels}; its log ends:\n{log}") from e
+                             f"server's kernels: {kernels}; the page shows: {shown}; the server's "
+                             f"log ends:\n{log}") from e
 
 
 def _started(nb) -> bool:
