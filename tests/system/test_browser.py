@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import psutil
@@ -179,26 +180,35 @@ def jupyterlab(folder: Path, home: Path):
 
 
 def _wait_kernel_idle(page, base: str, token: str, home: Path) -> None:
-    """Wait until the visible notebook's kernel is idle, for up to 150 s.
+    """Wait until the visible notebook's kernel is idle, reloading the page once after 75 s.
 
     A kernel starts a new Python (ipykernel, then the course's imports): one run of the suite on the
     2-core machine, with the other test processes busy, waited more than 45 s for it (the retry
-    passed).  A timeout names what the server knew of its kernels and the end of its log."""
-    try:
-        page.wait_for_function(KERNEL_IDLE_JS, polling=500, timeout=150_000)
-    except Exception as e:
+    passed).  Twice, in whole runs of the suite, the page's indicator never showed the kernel idle
+    although the server said it was; a learner would reload the page, and so does this wait, once,
+    with a warning that says what the page showed.  A second timeout fails with what the server
+    knew of its kernels, what the page shows, and the end of the server's log."""
+    for attempt in ("first", "after a reload"):
         try:
-            kernels = [(k["name"], k["execution_state"]) for k in _api(base, token, "/api/kernels")]
-        except (OSError, ValueError) as api_error:
-            kernels = f"unknown ({api_error})"
-        try:
-            shown = page.evaluate(KERNEL_SHOWN_JS)
-        except Exception as page_error:  # noqa: BLE001  (the page itself may be what is broken)
-            shown = f"unknown ({page_error})"
-        log = (home / "server.log").read_text()[-2000:]
-        raise AssertionError(f"the notebook's kernel was not idle 150 s after the page opened; the "
-                             f"server's kernels: {kernels}; the page shows: {shown}; the server's "
-                             f"log ends:\n{log}") from e
+            page.wait_for_function(KERNEL_IDLE_JS, polling=500, timeout=75_000)
+            return
+        except Exception as e:  # noqa: BLE001  (Playwright's timeout, or the page went away)
+            try:
+                kernels = [(k["name"], k["execution_state"]) for k in _api(base, token, "/api/kernels")]
+            except (OSError, ValueError) as api_error:
+                kernels = f"unknown ({api_error})"
+            try:
+                shown = page.evaluate(KERNEL_SHOWN_JS)
+            except Exception as page_error:  # noqa: BLE001  (the page itself may be what is broken)
+                shown = f"unknown ({page_error})"
+            said = (f"the notebook's kernel was not shown idle 75 s after the page opened ({attempt}); "
+                    f"the server's kernels: {kernels}; the page shows: {shown}")
+            if attempt == "first":
+                warnings.warn(f"{said}; reloading the page", stacklevel=2)
+                page.reload()
+                continue
+            log = (home / "server.log").read_text()[-2000:]
+            raise AssertionError(f"{said}; the server's log ends:\n{log}") from e
 
 
 def _started(nb) -> bool:
