@@ -184,10 +184,10 @@ def _wait_kernel_idle(page, base: str, token: str, home: Path) -> None:
 
     A kernel starts a new Python (ipykernel, then the course's imports): one run of the suite on the
     2-core machine, with the other test processes busy, waited more than 45 s for it (the retry
-    passed).  Twice, in whole runs of the suite, the page's indicator never showed the kernel idle
-    although the server said it was; a learner would reload the page, and so does this wait, once,
-    with a warning that says what the page showed.  A second timeout fails with what the server
-    knew of its kernels, what the page shows, and the end of the server's log."""
+    passed).  Another run waited 150 s while the server said that kernel was idle: the page never
+    showed it.  A learner would reload the page, and so does this wait, once, with a warning that
+    says what the page showed.  A second timeout fails with what the server knew of its kernels,
+    what the page shows, and the end of the server's log."""
     for attempt in ("first", "after a reload"):
         try:
             page.wait_for_function(KERNEL_IDLE_JS, polling=500, timeout=75_000)
