@@ -44,6 +44,10 @@ PIP_INSTALL = $(BIN)/python tools/quiet_pip.py $(BIN)/pip install
 WHILE_COMPILING = $(BIN)/python -m compileall -q -j 0 --invalidation-mode timestamp $(VENV)/lib \
 	>/dev/null 2>&1 & compiling=$$!;
 UNTIL_COMPILED = ; status=$$?; wait $$compiling; exit $$status
+# The course's kernel spec for Jupyter. ipykernel's install writes it through a temporary folder,
+# which it leaves behind (empty) in /tmp: it is given one of ours, removed after.
+KERNEL_INSTALL = tmp=$$(mktemp -d) && TMPDIR=$$tmp $(BIN)/python -m ipykernel install --sys-prefix --name python3 \
+	>/dev/null; status=$$?; rm -rf "$$tmp"; exit $$status
 
 $(BIN)/.torch:
 	@echo "Creating $(VENV) with $(PYTHON)"
@@ -56,14 +60,14 @@ $(BIN)/.torch:
 $(BIN)/.installed: $(BIN)/.torch pyproject.toml
 	@echo "Installing the course and what it needs (JupyterLab, ...); byte-compiling torch meanwhile"
 	@$(WHILE_COMPILING) $(PIP_OFFLINE) $(PIP_INSTALL) -e . $(UNTIL_COMPILED)
-	@$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	@$(KERNEL_INSTALL)
 	@touch $@
 
 # The learner's install and pyproject's `test` extra (pytest, nbval, ruff, playwright...).
 $(BIN)/.installed-test: $(BIN)/.torch pyproject.toml
 	@echo "Installing the course, what it needs and the test tools; byte-compiling torch meanwhile"
 	@$(WHILE_COMPILING) $(PIP_OFFLINE) $(PIP_INSTALL) -e ".[test]" $(UNTIL_COMPILED)
-	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	@$(KERNEL_INSTALL)
 	touch $(BIN)/.installed $@
 
 # Every package `make lab` and `make test` install, for one platform and Python (this machine's),

@@ -481,10 +481,13 @@ def start(timeout: float = 30.0) -> LocalCluster:
     tag, subnet = f"{os.getpid()}-{k}", f"{NETWORK}.{k}"
     folder = tempfile.mkdtemp(prefix=f"{PREFIX}-{tag}-")
     os.chmod(folder, 0o755)  # job processes (any user) read slurm.conf from here
-    for sub in ("munge", "state", "spool", "log"):
+    for sub in ("munge", "state", "spool", "log", "tmp"):
         os.makedirs(os.path.join(folder, sub), mode=0o700 if sub == "munge" else 0o755)
+    os.chmod(os.path.join(folder, "tmp"), 0o1777)  # like /tmp: any job's user may write, each its own
     conf = os.path.join(folder, "slurm.conf")
-    env = {**os.environ, "SLURM_CONF": conf,
+    # TMPDIR: the jobs inherit it (sbatch exports the environment), so their temporary files go with
+    # the cluster's folder: torchrun's log folders (torchelastic_*) stayed in /tmp, one per node and job.
+    env = {**os.environ, "SLURM_CONF": conf, "TMPDIR": os.path.join(folder, "tmp"),
            "PATH": os.pathsep.join(["/usr/sbin", os.environ.get("PATH", "/usr/bin:/bin")])}
     cluster = LocalCluster(folder=folder, conf=conf, env=env, nodes={}, tag=tag, subnet=subnet)
     atexit.register(cluster.stop)

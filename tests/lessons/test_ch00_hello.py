@@ -33,8 +33,11 @@ if __name__ == "__main__":
 def test_spawn_retries_on_a_port_taken_before_rank_0_binds_it(tmp_path):
     script = tmp_path / "taken_first.py"
     script.write_text(TAKEN_FIRST)
+    # TMPDIR: torch.multiprocessing.spawn leaves the failed attempt's error file (pytorch-errorfile-*)
+    # in the temporary folder; here it goes with the test's.
     run = subprocess.run([sys.executable, str(script)], cwd=NOTEBOOKS, capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR"))
+                         timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR",
+                                               TMPDIR=str(tmp_path)))
     assert run.returncode == 0, run.stdout + run.stderr
     taken = run.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
     assert f"port {taken} was taken before rank 0 could listen on it; trying another" in run.stdout

@@ -216,7 +216,7 @@ def test_a_preemption_warning_reaches_every_worker_through_torchrun_and_they_sto
                         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "ch06_train.py",
                         "--steps", "16", "--save-every", "5", "--log-every", "0"]
     ckpt = job / "ckpt.pt"
-    env = dict(os.environ, **QUIET)
+    env = dict(os.environ, **QUIET, TMPDIR=str(job))  # torchrun's log folder goes with the test's
     first = subprocess.Popen(agent + ["--ckpt", str(ckpt), "--step-time", "0.4"], cwd=NOTEBOOKS, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
