@@ -39,9 +39,13 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
-# The visible notebook's kernel has started and is idle (the toolbar's execution indicator).
-KERNEL_IDLE_JS = ("() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) "
-                  ".jp-Notebook-ExecutionIndicator')].some(e => e.getAttribute('data-status') === 'idle')")
+# "idle" once the visible notebook's kernel has started and is idle (the toolbar's execution
+# indicator); "error dialog" while JupyterLab shows one (a dialog whose title has "Error"); else false.
+KERNEL_IDLE_JS = """() => [...document.querySelectorAll(
+    '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator')].some(
+      e => e.getAttribute('data-status') === 'idle') ? 'idle'
+  : [...document.querySelectorAll('.jp-Dialog-header')].some(
+      h => h.innerText.includes('Error')) ? 'error dialog' : false"""
 # What the page shows of its kernels, for the message when the wait above gives up.
 KERNEL_SHOWN_JS = """() => ({
   indicators: [...document.querySelectorAll('.jp-Notebook-ExecutionIndicator')].map(
@@ -179,36 +183,45 @@ def jupyterlab(folder: Path, home: Path):
                 p.kill()
 
 
-def _wait_kernel_idle(page, base: str, token: str, home: Path) -> None:
-    """Wait until the visible notebook's kernel is idle, reloading the page once after 75 s.
+def _wait_kernel_idle(page, base: str, token: str, home: Path, unloaded: list[str]) -> None:
+    """Wait until the visible notebook's kernel is idle, reloading the page once: after 75 s, or
+    at once when JupyterLab shows an error dialog.
 
     A kernel starts a new Python (ipykernel, then the course's imports): one run of the suite on the
     2-core machine, with the other test processes busy, waited more than 45 s for it (the retry
     passed).  Another run waited 150 s while the server said that kernel was idle: the page never
-    showed it.  A learner would reload the page, and so does this wait, once, with a warning that
-    says what the page showed.  A second timeout fails with what the server knew of its kernels,
-    what the page shows, and the end of the server's log."""
+    showed it.  In a third, the page showed JupyterLab's "Error Loading Theme" dialog (its theme's
+    stylesheet had failed to load) and no kernel at all, while the server had the kernel idle; the
+    reload this wait made after 75 s, as a learner would, fixed it (now it reloads when it sees the
+    dialog).  The warning of the reload says what the page showed and what it failed to load
+    (``unloaded``: failed requests and HTTP errors); a second timeout, or an error dialog after the
+    reload, fails with the same and the end of the server's log."""
     for attempt in ("first", "after a reload"):
+        seen, error = None, None
         try:
-            page.wait_for_function(KERNEL_IDLE_JS, polling=500, timeout=75_000)
-            return
+            seen = page.wait_for_function(KERNEL_IDLE_JS, polling=500, timeout=75_000).json_value()
         except Exception as e:  # noqa: BLE001  (Playwright's timeout, or the page went away)
-            try:
-                kernels = [(k["name"], k["execution_state"]) for k in _api(base, token, "/api/kernels")]
-            except (OSError, ValueError) as api_error:
-                kernels = f"unknown ({api_error})"
-            try:
-                shown = page.evaluate(KERNEL_SHOWN_JS)
-            except Exception as page_error:  # noqa: BLE001  (the page itself may be what is broken)
-                shown = f"unknown ({page_error})"
-            said = (f"the notebook's kernel was not shown idle 75 s after the page opened ({attempt}); "
-                    f"the server's kernels: {kernels}; the page shows: {shown}")
-            if attempt == "first":
-                warnings.warn(f"{said}; reloading the page", stacklevel=2)
-                page.reload()
-                continue
-            log = (home / "server.log").read_text()[-2000:]
-            raise AssertionError(f"{said}; the server's log ends:\n{log}") from e
+            error = e
+        if seen == "idle":
+            return
+        try:
+            kernels = [(k["name"], k["execution_state"]) for k in _api(base, token, "/api/kernels")]
+        except (OSError, ValueError) as api_error:
+            kernels = f"unknown ({api_error})"
+        try:
+            shown = page.evaluate(KERNEL_SHOWN_JS)
+        except Exception as page_error:  # noqa: BLE001  (the page itself may be what is broken)
+            shown = f"unknown ({page_error})"
+        when = "when JupyterLab showed an error dialog" if seen else "75 s after the page opened"
+        said = (f"the notebook's kernel was not shown idle {when} ({attempt}); the server's kernels: "
+                f"{kernels}; the page shows: {shown}; what the page could not load: "
+                f"{unloaded[-20:] or 'nothing'}")
+        if attempt == "first":
+            warnings.warn(f"{said}; reloading the page", stacklevel=2)
+            page.reload()
+            continue
+        log = (home / "server.log").read_text()[-2000:]
+        raise AssertionError(f"{said}; the server's log ends:\n{log}") from error
 
 
 def _started(nb) -> bool:
@@ -282,13 +295,17 @@ def test_learner_view_in_chromium(no_leftover_processes):
             try:
                 page = ctx.new_page()
                 page.set_default_timeout(45_000)
+                unloaded: list[str] = []  # for the messages of a wait that times out
+                page.on("requestfailed", lambda r: unloaded.append(f"{r.method} {r.url}: {r.failure}"))
+                page.on("response", lambda r: r.status >= 400 and unloaded.append(
+                    f"{r.request.method} {r.url}: HTTP {r.status}"))
                 # Chapter 01 renders with its committed outputs, and its kernel starts.
                 page.goto(f"{base}/lab/workspaces/ch01/tree/01_single_device.ipynb?token={token}")
                 nb01 = page.locator(".jp-NotebookPanel:visible .jp-Notebook")
                 nb01.locator("h1").first.wait_for()
                 assert nb01.locator("h1").first.inner_text().startswith("01 ")
                 assert nb01.locator(".jp-OutputArea-output img").count() > 0  # committed figures
-                _wait_kernel_idle(page, base, token, home)
+                _wait_kernel_idle(page, base, token, home, unloaded)
                 remember_kernels()
 
                 # The progress notebook, run from the menu (a workspace of its own: the only notebook
@@ -296,7 +313,7 @@ def test_learner_view_in_chromium(no_leftover_processes):
                 page.goto(f"{base}/lab/workspaces/progress/tree/progress_demo.ipynb?token={token}")
                 nb = page.locator(".jp-NotebookPanel:visible .jp-Notebook")
                 nb.locator(".jp-Cell").nth(2).wait_for()
-                _wait_kernel_idle(page, base, token, home)
+                _wait_kernel_idle(page, base, token, home, unloaded)
                 remember_kernels()
                 # Watch the page for the live widgets from before the run starts: on a slow machine
                 # polling could miss them, on a fast one they are replaced within seconds.
