@@ -26,9 +26,10 @@ What it starts, all of it private to this cluster:
 
 It reads only its own ``slurm.conf`` (``SLURM_CONF`` in :attr:`LocalCluster.env`), listens on its
 own ports and keeps its state, spool and logs in its own folder, so a Slurm installation the
-machine already has is left alone; its jobs' temporary files go there too (``TMPDIR``). :meth:`LocalCluster.stop` (run by the ``with`` block, also on an
-error or Ctrl-C, and at interpreter exit) cancels the jobs, stops every daemon, kills whatever is
-left in the node namespaces, deletes the namespaces and the folder. If the process that started the
+machine already has is left alone; its jobs' temporary files go there too (``TMPDIR``).
+:meth:`LocalCluster.stop` (run by the ``with`` block, also on an error or Ctrl-C, and at
+interpreter exit) cancels the jobs, stops every daemon, kills whatever is left in the node
+namespaces, deletes the namespaces and the folder. If the process that started the
 cluster is killed outright (``kill -9``, the OOM killer), its daemons get SIGTERM from the kernel (a
 parent-death signal), and the cluster's reaper, a small process of its own that waits for nothing
 else, removes the jobs' processes, the namespaces and the folder within a second or so.
