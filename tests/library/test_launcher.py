@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from course_utils import RankFailure, WorkerError, WorkerTimeout, launch, report, run_commands
 from course_utils.devices import choose_backend
-from course_utils.workers import supervisor
+from course_utils.workers import supervisor, tree
 from course_utils.workers.errors import FailureKind
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,7 +169,9 @@ def _wait_until_gone(flag: str, limit: float = 30.0) -> None:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if os.path.exists(flag) and (pid := Path(flag).read_text()):
-            if not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE:
+            # /proc's state: "" once the process is gone, "Z" while nobody has reaped it (asking psutil
+            # whether it exists and then for its status raced with the reaping: NoSuchProcess, once)
+            if tree.state(int(pid)) in ("", "Z"):
                 return
         time.sleep(0.01)
 
@@ -390,8 +392,7 @@ def _workers_of(marker: str) -> tuple[list[int], int]:
 def _wait_gone(pids: list[int], port: int, limit: float = 15.0, what: str = "") -> None:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if tree.state(p) not in ("", "Z")]  # gone, or a zombie (see above)
         if not alive and not _port_is_bound(port):
             return
         time.sleep(0.2)
