@@ -19,10 +19,16 @@ CPU operations on two OpenMP threads that wait for each other whenever another p
 core (measured: chapter 02's DataParallel cell took 36 s instead of 3 s next to one busy core).
 The launcher gives its workers their own thread budget either way, and ``make notebooks``, which
 writes the committed outputs, does not run under pytest.
+
+The collected modules (torch, Jupyter's clients, the tests) live as long as the pytest process: once
+collected, they are frozen (``gc.freeze()``), so that the garbage collector, which runs often in a
+long test session, no longer walks them (measured on three in-process test files: 1.0 instead of 1.9
+seconds of collection).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -67,6 +73,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return known.get(path, UNKNOWN_SECONDS_PER_TEST * len(files[path]))
 
     items[:] = [item for path in sorted(files, key=cost, reverse=True) for item in files[path]]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.freeze()  # see the module's docstring
 
 
 # A unit test that failed once and passed on its retry is listed at the end (-rR), but its first

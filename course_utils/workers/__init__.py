@@ -18,7 +18,8 @@ One module per job; the public names are re-exported by ``course_utils`` itself
 - ``prewarm``     start the fork server in the background when a notebook imports ``course_utils``
 - ``commands``    ``run_commands``: run ``torchrun`` and other commands from a cell, with their process trees
 - ``keeper``      the parent of each command ``run_commands`` starts: ends all it started (a subreaper)
-- ``line_buffered/sitecustomize``  first on the commands' path: their Python processes write whole lines
+- ``line_buffered/sitecustomize``  first on the commands' path: their Python processes write whole lines,
+                  and freeze what ``import torch`` created (a quicker start and exit)
 - ``netns``       the network of their own (loopback only) that ``run_commands`` gives its commands, and
                   ``ListenWatch``/``listening``: what a process tree listens on, in any namespace
 

@@ -200,3 +200,30 @@ def test_two_processes_sharing_the_output_never_merge_lines(two_busy_loops):
         lines = res.output.splitlines()
         bad = [line for line in lines if line not in expected]
         assert res.ok and not bad and len(lines) == 2 * N, (env, bad[:5], len(lines))
+
+
+FREEZE_PROBE = """
+import gc
+before = gc.get_freeze_count()
+import torch
+after = gc.get_freeze_count()
+class Node:
+    pass
+a, b = Node(), Node()
+a.other, b.other = b, a  # a cycle created after the import: the collector must still find it
+del a, b
+print("frozen", before, after, "collected", gc.collect())
+"""
+
+
+def test_a_commands_python_freezes_what_importing_torch_created_and_still_collects_the_rest():
+    """``line_buffered/sitecustomize`` freezes the objects of torch's import (a quicker start and
+    exit), after the import and not before; garbage made later is still collected."""
+    (res,) = run_commands({"probe": [sys.executable, "-c", FREEZE_PROBE]}, timeout=120, echo=False,
+                          network="host")
+    words = res.output.split()
+    assert res.ok and words[0] == "frozen", res.output
+    before, after, collected = int(words[1]), int(words[2]), int(words[4])
+    assert before == 0, f"frozen before torch was imported: {before} objects"
+    assert after > 50_000, f"only {after} objects frozen after `import torch`"
+    assert collected >= 2, "a cycle made after the import was not collected"
