@@ -12,6 +12,10 @@ that starts pytest again (test_monitor runs nbval on a notebook in a folder of i
 ``-p tests.kernel_sockets``.  Kernels started by other programs are configured on their command
 lines: ``benchmarks/_measure.py`` runs ``jupyter nbconvert`` (test_three_learners) and the browser
 test runs ``jupyter lab``, both with ``--KernelManager.transport=ipc``.
+
+nbval stops each kernel with SIGKILL to its process group, so a kernel that launched workers never
+removes its fork server's folder itself; the next start of one removes those of dead processes
+(``course_utils/workers/startup.py``), and this plugin removes the last ones when pytest ends.
 """
 
 from __future__ import annotations
@@ -68,3 +72,6 @@ def kernel_manager_class() -> type:
 def pytest_unconfigure(config: pytest.Config) -> None:
     for folder in _FOLDERS:
         shutil.rmtree(folder, ignore_errors=True)
+    from course_utils.workers.startup import remove_dead_temp_dirs
+
+    remove_dead_temp_dirs()  # the fork-server folders of the kernels this run killed (see above)

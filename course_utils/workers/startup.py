@@ -1,7 +1,8 @@
 """What a launch prepares before its workers start: the fork server, ports, the payload, the environment.
 
 - ``fork_server_context``: the fork server workers are forked from (torch preloaded, see
-  ``supervisor``'s module doc), and ``start_fork_server``, which spawns it deaf to an early SIGINT;
+  ``supervisor``'s module doc), and ``start_fork_server``, which spawns it deaf to an early SIGINT,
+  its socket in a temporary folder that a later start removes if this process was killed;
 - ``free_port`` and ``loopback_listener``: ports on 127.0.0.1 that the operating system picked;
 - ``dumps_payload``: cloudpickle, keeping each shipped function's file name (a notebook cell's), so
   worker tracebacks quote the cell;
@@ -12,16 +13,21 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import linecache
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
+import multiprocessing.util
 import os
 import pickle
+import shutil
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import threading
 import types
 from collections import ChainMap
@@ -34,7 +40,8 @@ from cloudpickle import cloudpickle as _cp
 from .budget import cpu_threads_per_worker
 
 __all__ = ["PRELOAD", "free_port", "loopback_listener", "fork_server_context", "start_fork_server",
-           "dumps_payload", "main_module_hidden", "linecache_snapshot", "worker_env"]
+           "remove_dead_temp_dirs", "dumps_payload", "main_module_hidden", "linecache_snapshot",
+           "worker_env"]
 
 PRELOAD = "course_utils._preload"
 
@@ -90,6 +97,7 @@ def start_fork_server() -> None:
     Call it after :func:`fork_server_context` (which sets the preload list) and with
     :func:`main_module_hidden` entered, as multiprocessing records ``__main__`` here.
     """
+    _claim_temp_dir()
     # The resource tracker first: multiprocessing starts it from ensure_running() below unless it
     # runs, and unblocks SIGINT in this thread once it has (instead of restoring the mask).
     multiprocessing.resource_tracker.ensure_running()
@@ -98,6 +106,54 @@ def start_fork_server() -> None:
         multiprocessing.forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+# The fork server listens on a Unix socket in multiprocessing's temporary folder of this process
+# ("pymp-..." in /tmp), which multiprocessing removes when this process exits normally.  A kernel
+# that is killed (nbval stops every kernel with SIGKILL to its process group; a kernel that dies of
+# memory) leaves it behind.  This process's folder is named after its PID instead, so that a later
+# start can tell the folders of dead processes and remove them; only this user's, only these names.
+_TEMP_PREFIX = "pymp-course-"
+
+
+def _claim_temp_dir() -> None:
+    """Give multiprocessing this process's temporary folder, named after its PID, unless it has one."""
+    config = multiprocessing.current_process()._config  # where multiprocessing.util.get_temp_dir keeps it
+    if config.get("tempdir") is not None:
+        return
+    remove_dead_temp_dirs()
+    path = tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-")
+    # As get_temp_dir does: removed at this process's normal exit, after multiprocessing's own finalizers.
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(path,), kwargs={"ignore_errors": True},
+                                  exitpriority=-100)
+    config["tempdir"] = path
+
+
+def remove_dead_temp_dirs() -> list[str]:
+    """Remove the fork-server folders (see ``_claim_temp_dir``) whose process has died; return them.
+
+    A folder is removed only if it is a directory (not a link) owned by this user, named
+    ``pymp-course-PID-...``, and no process PID exists.
+    """
+    removed = []
+    for path in sorted(glob.glob(os.path.join(tempfile.gettempdir(), _TEMP_PREFIX + "*"))):
+        pid = os.path.basename(path)[len(_TEMP_PREFIX):].split("-", 1)[0]
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if not (pid.isdigit() and stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or its number taken by another process): kept
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 # --------------------------------------------------------------------------------------------

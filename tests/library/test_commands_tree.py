@@ -205,26 +205,36 @@ def test_two_processes_sharing_the_output_never_merge_lines(two_busy_loops):
 FREEZE_PROBE = """
 import gc
 before = gc.get_freeze_count()
+runs = sum(s["collections"] for s in gc.get_stats())
 import torch
+runs = sum(s["collections"] for s in gc.get_stats()) - runs
 after = gc.get_freeze_count()
+on_after_torch = gc.isenabled()
+import torch._dynamo
+after_dynamo = gc.get_freeze_count()
 class Node:
     pass
 a, b = Node(), Node()
-a.other, b.other = b, a  # a cycle created after the import: the collector must still find it
+a.other, b.other = b, a  # a cycle created after the imports: the collector must still find it
 del a, b
-print("frozen", before, after, "collected", gc.collect())
+print("frozen", before, after, after_dynamo, "enabled", on_after_torch, gc.isenabled(),
+      "collected", gc.collect(), "runs", runs)
 """
 
 
 def test_a_commands_python_freezes_what_importing_torch_created_and_still_collects_the_rest():
-    """``line_buffered/sitecustomize`` freezes the objects of torch's import (a quicker start and
-    exit), after the import and not before; garbage made later is still collected."""
+    """``line_buffered/sitecustomize`` freezes the objects of torch's import and of torch._dynamo's
+    (a quicker start and exit), after each import and not before, with the collector off during the
+    imports and on again afterwards: garbage made later is still collected."""
     (res,) = run_commands({"probe": [sys.executable, "-c", FREEZE_PROBE]}, timeout=120, echo=False,
                           network="host")
     lines = [line.split() for line in res.output.splitlines() if line.startswith("frozen ")]
     assert res.ok and len(lines) == 1, res.output
     words = lines[0]
-    before, after, collected = int(words[1]), int(words[2]), int(words[4])
+    before, after, after_dynamo, collected = int(words[1]), int(words[2]), int(words[3]), int(words[8])
     assert before == 0, f"frozen before torch was imported: {before} objects"
     assert after > 50_000, f"only {after} objects frozen after `import torch`"
-    assert collected >= 2, "a cycle made after the import was not collected"
+    assert after_dynamo > after + 20_000, f"torch._dynamo's import froze {after_dynamo - after} objects"
+    assert words[5:7] == ["True", "True"], f"the collector stayed off after an import: {words}"
+    assert collected >= 2, "a cycle made after the imports was not collected"
+    assert int(words[10]) == 0, f"the collector ran {words[10]} times while torch was imported"
